@@ -1,0 +1,56 @@
+"""The step's input: what the scheduler asks the executor to run. Crosses the wire as is."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SeqWork(msgspec.Struct, array_like=True, frozen=True):
+    """One sequence's share of a step.
+
+    `token_ids` are the tokens whose KV this step computes: a prompt chunk, or the single
+    last token of a decoding sequence. They occupy positions start_pos .. start_pos+len-1.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int  # tokens of this sequence already in the KV cache
+    page_table: list[int]  # page ids covering at least start_pos + len(token_ids) (+ spec slack)
+    sample: bool  # the chunk ends the known tokens: sample the next one
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0  # every request has one; noise is keyed by (seed, position), see sampling.py
+    num_spec_tokens: int = 0  # drafts to propose for this sequence (0: no speculation)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+class BatchPlan(msgspec.Struct, array_like=True, frozen=True):
+    step_id: int
+    seqs: list[SeqWork]
+    freed_seq_ids: list[int] = []  # sequences that ended: drop their executor-side state
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(len(s.token_ids) == 1 and s.sample for s in self.seqs)
+
+
+class SeqOutput(msgspec.Struct, array_like=True, frozen=True):
+    """Tokens a step produced for one sequence (empty for a non-final prefill chunk)."""
+
+    seq_id: int
+    token_ids: list[int]
+    num_drafts: int = 0  # draft tokens proposed this step
+    num_accepted: int = 0  # of which the target accepted
+
+
+class StepOutput(msgspec.Struct, array_like=True, frozen=True):
+    step_id: int
+    seqs: list[SeqOutput]

@@ -1,0 +1,134 @@
+"""Frozen configuration, loaded from TOML once; each component receives only its part."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of one Llama-family model (Llama, SmolLM, Qwen2), read from config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen form of the HF dict
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        arch = hf.get("model_type", "llama")
+        if arch not in ("llama", "qwen2", "mistral"):
+            raise ValueError(f"unsupported model_type {arch!r}: overlap runs Llama-family models")
+        num_heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        scaling = hf.get("rope_scaling")
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=hf.get("rope_theta", 10000.0),
+            max_position=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            # Qwen2 has q/k/v biases without saying so in config.json.
+            attention_bias=hf.get("attention_bias", arch == "qwen2"),
+            rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int = 16
+    num_pages: int = 1024  # shared by every sequence; the draft pool uses the same page ids
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 512  # prefill chunks are cut to fit this budget
+    max_model_len: int = 4096  # prompt + output; capped by the model's max_position
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str = "none"  # none | draft | ngram
+    num_spec_tokens: int = 4
+    draft_model: str | None = None
+    ngram_min: int = 1
+    ngram_max: int = 3
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None: the shipped SmolLM2-135M-Instruct GGUF
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    attention_backend: str = "auto"  # auto | reference | flashinfer
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+_SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig}
+
+
+def config_from_dict(raw: dict) -> EngineConfig:
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
+    unknown = set(raw) - known
+    if unknown:
+        raise ValueError(f"unknown config keys: {sorted(unknown)}")
+    values = dict(raw)
+    for name, cls in _SECTIONS.items():
+        section = values.get(name, {})
+        fields = {f.name for f in dataclasses.fields(cls)}
+        bad = set(section) - fields
+        if bad:
+            raise ValueError(f"unknown keys in [{name}]: {sorted(bad)}")
+        values[name] = cls(**section)
+    return EngineConfig(**values)
+
+
+def load_config(path: str | Path) -> EngineConfig:
+    path = Path(path)
+    with path.open("rb") as f:
+        raw = tomllib.load(f)
+    # Relative model paths in a config are relative to the repo root the config lives in.
+    for key in ("model",):
+        if raw.get(key) and not Path(raw[key]).is_absolute():
+            raw[key] = str((path.parent.parent / raw[key]).resolve())
+    return config_from_dict(raw)

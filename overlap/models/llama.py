@@ -1,0 +1,150 @@
+"""Llama-family decoder (Llama, SmolLM, Qwen2) over ragged, flattened batches with paged KV.
+
+Input is one flat token stream for the whole batch (`input_ids [T]`, `positions [T]`); the
+attention metadata says which tokens belong to which sequence and where their KV lives.
+Returns the final hidden states of every token (drafters read them) and logits only for the
+rows asked for (the lm_head is the single largest matrix: never run it on prompt tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from overlap.attention.base import AttentionBackend
+from overlap.config import ModelConfig
+from overlap.kv import KVPool
+from overlap.models.rope import RotaryTable
+
+# Rows per matmul call. oneDNN's bf16 (AMX) kernels give every row the same result for any
+# M <= 32, so cutting larger batches into 32-row pieces makes a token's activations
+# independent of what else is in the batch: verify passes and decode steps agree bit for bit.
+ROW_BLOCK = 32
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Batch-invariant F.linear: x [T, in] → [T, out]."""
+    if x.shape[0] <= ROW_BLOCK:
+        return F.linear(x, weight, bias)
+    return torch.cat([F.linear(part, weight, bias) for part in x.split(ROW_BLOCK)])
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same op order as transformers' LlamaRMSNorm (normalise in f32, scale in x's dtype).
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.index = index
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.split = (q_size, kv_size, kv_size)
+        h = cfg.hidden_size
+        # q, k, v (and gate, up) fused into one matmul each: fewer calls, one weight read.
+        self.qkv_proj = nn.Parameter(torch.empty(sum(self.split), h))
+        self.qkv_bias = nn.Parameter(torch.zeros(sum(self.split))) if cfg.attention_bias else None
+        self.o_proj = nn.Parameter(torch.empty(h, q_size))
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * cfg.intermediate_size, h))
+        self.down_proj = nn.Parameter(torch.empty(h, cfg.intermediate_size))
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable,
+                backend: AttentionBackend, kv: KVPool, meta: Any) -> torch.Tensor:
+        t = x.shape[0]
+        # 1. attention: project, rotate, store the new K/V in their pages, attend.
+        q, k, v = linear(self.input_layernorm(x), self.qkv_proj, self.qkv_bias).split(self.split, -1)
+        q = rope.apply(q.view(t, self.num_heads, self.head_dim), positions)
+        k = rope.apply(k.view(t, self.num_kv_heads, self.head_dim), positions)
+        kv.write(self.index, meta.slots, k, v.view(t, self.num_kv_heads, self.head_dim))
+        attn = backend.run(self.index, q, kv, meta).view(t, -1)
+        x = x + linear(attn, self.o_proj)
+        # 2. SwiGLU MLP.
+        gate, up = linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, -1)
+        return x + linear(F.silu(gate) * up, self.down_proj)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
+                        else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size)))
+        self.to(dtype=dtype, device=device)
+        self.rope = RotaryTable(cfg, dtype, device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                kv: KVPool, meta: Any, logits_indices: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids, positions [T] i64 → (hidden [T, hidden] after the final norm,
+        logits [len(logits_indices), vocab] f32 or None)."""
+        x = self.embed_tokens[input_ids]
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, backend, kv, meta)
+        hidden = self.norm(x)
+        if logits_indices is None:
+            return hidden, None
+        return hidden, self.compute_logits(hidden[logits_indices])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] → logits [N, vocab] f32."""
+        return linear(hidden, self.lm_head).float()
+
+    def new_kv_pool(self, num_pages: int, page_size: int) -> KVPool:
+        c = self.cfg
+        return KVPool(c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim,
+                      self.dtype, self.embed_tokens.device)
+
+    # -- weights -------------------------------------------------------------------------
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy weights named as in transformers' LlamaForCausalLM / Qwen2ForCausalLM."""
+        sd = {k.removeprefix("model."): v for k, v in sd.items()}
+        with torch.no_grad():
+            self.embed_tokens.copy_(sd["embed_tokens.weight"])
+            self.norm.weight.copy_(sd["norm.weight"])
+            if not self.cfg.tie_word_embeddings:
+                self.lm_head.copy_(sd["lm_head.weight"])
+            for i, layer in enumerate(self.layers):
+                p = f"layers.{i}."
+                attn = [sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]
+                layer.qkv_proj.copy_(torch.cat(attn))
+                if layer.qkv_bias is not None:
+                    layer.qkv_bias.copy_(torch.cat([sd[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]))
+                layer.o_proj.copy_(sd[p + "self_attn.o_proj.weight"])
+                layer.gate_up_proj.copy_(torch.cat([sd[p + "mlp.gate_proj.weight"],
+                                                    sd[p + "mlp.up_proj.weight"]]))
+                layer.down_proj.copy_(sd[p + "mlp.down_proj.weight"])
+                layer.input_layernorm.weight.copy_(sd[p + "input_layernorm.weight"])
+                layer.post_attention_layernorm.weight.copy_(sd[p + "post_attention_layernorm.weight"])
+
+
+def load_llama(model_dir, dtype: torch.dtype, device: torch.device | str = "cpu") -> LlamaModel:
+    """Build a LlamaModel from a Hugging Face style directory (config.json + safetensors)."""
+    from overlap.models.loading import load_state_dict, read_model_config
+
+    model = LlamaModel(ModelConfig.from_hf(read_model_config(model_dir)), dtype, device)
+    model.load_hf_state_dict(load_state_dict(model_dir, dtype))
+    return model.eval()

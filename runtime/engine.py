@@ -1,0 +1,253 @@
+"""The in-process engine: tokenizer, scheduler core and executor wired together without
+sockets. The single-process form of the runtime, for library use and for tests.
+
+    engine = Engine(EngineConfig())
+    for delta in engine.stream("def fib(n):", SamplingParams(max_tokens=32)):
+        print(delta.text, end="")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from overlap.attention import make_backend
+from overlap.batch import BatchPlan
+from overlap.config import EngineConfig, torch_dtype
+from overlap.executor import Executor
+from overlap.models.llama import load_llama
+from overlap.models.loading import load_tokenizer, resolve_model_dir
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.messages import RequestError, SamplingParams
+from runtime.pages import PageAllocator
+from runtime.scheduler import Scheduler, SeqUpdate
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A piece of one request's stream: new text and ids; finish_reason on the last one."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestStats:
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_steps: int = 0  # decode steps that produced tokens
+    num_drafts: int = 0  # steps that proposed drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    arrival: float = 0.0
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+    def as_dict(self) -> dict:
+        d = {
+            "prompt_tokens": self.num_prompt_tokens,
+            "output_tokens": self.num_output_tokens,
+            "steps": self.num_steps,
+            "ttft_s": (self.first_token - self.arrival) if self.first_token else None,
+            "latency_s": (self.finished - self.arrival) if self.finished else None,
+        }
+        if self.num_drafts:
+            d.update(drafts=self.num_drafts, draft_tokens=self.num_draft_tokens,
+                     accepted_tokens=self.num_accepted_tokens,
+                     acceptance_length=1 + self.num_accepted_tokens / self.num_drafts)
+        return d
+
+
+@dataclass(frozen=True)
+class Result:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict
+
+
+@dataclass
+class _Request:
+    request_id: str
+    detok: IncrementalDetokenizer
+    stats: RequestStats
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    pending: list[Delta] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig = EngineConfig(), progress: bool = True):
+        self.config = config
+        model_dir = resolve_model_dir(config.model, progress=progress)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model = load_llama(model_dir, torch_dtype(config.dtype), config.device)
+        cfg = self.model.cfg
+        self.max_model_len = min(config.scheduler.max_model_len, cfg.max_position)
+        kv = self.model.new_kv_pool(config.cache.num_pages, config.cache.page_size)
+        backend = make_backend(config.attention_backend, config.device)
+        self.executor = Executor(self.model, kv, backend)
+        self.allocator = PageAllocator(config.cache.num_pages, config.cache.page_size)
+        sched_cfg = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
+        self.scheduler = Scheduler(sched_cfg, self.allocator, self._eos_ids())
+        self.requests: dict[str, _Request] = {}
+        self._seeds = random.Random()
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.model.cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # -- requests --------------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[int] | None = None, messages: list[dict] | None = None,
+               chat: bool = False) -> list[int]:
+        """Prompt text, token ids or chat messages → prompt ids (chat template applied)."""
+        if messages is None and chat:
+            messages = [{"role": "user", "content": prompt}]
+        if messages is not None:
+            if not messages:
+                raise RequestError("messages", "must not be empty")
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        if isinstance(prompt, list):
+            return list(prompt)
+        if not isinstance(prompt, str):
+            raise RequestError("prompt", "must be a string, a list of token ids, or use messages")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, prompt: str | list[int] | None = None, params: SamplingParams = SamplingParams(),
+                    request_id: str | None = None, messages: list[dict] | None = None,
+                    chat: bool = False) -> str:
+        ids = self.encode(prompt, messages, chat)
+        self._validate(ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        self.scheduler.add(request_id, ids, params, seed, self._num_spec_tokens(params))
+        self.requests[request_id] = _Request(
+            request_id, IncrementalDetokenizer(self.tokenizer, ids, params.stop),
+            RequestStats(num_prompt_tokens=len(ids), arrival=time.perf_counter()))
+        return request_id
+
+    def _num_spec_tokens(self, params: SamplingParams) -> int:
+        return 0  # speculation arrives with the drafters
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        if not ids:
+            raise RequestError("prompt", "is empty")
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise RequestError("prompt", f"token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise RequestError("prompt", f"{len(ids)} tokens does not fit the context of "
+                                         f"{self.max_model_len} tokens (room is needed to generate)")
+        pages = self.allocator.pages_for(len(ids) + 1)
+        if pages > self.allocator.num_pages:
+            raise RequestError("prompt", f"{len(ids)} tokens needs {pages} KV pages; the cache has "
+                                         f"{self.allocator.num_pages}")
+
+    def abort(self, request_id: str) -> None:
+        if self.scheduler.abort(request_id) is not None:
+            self._finish(self.requests[request_id], "abort")
+
+    # -- stepping --------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Delta]:
+        """Schedule → run → postprocess one batch; returns the deltas it produced."""
+        # 1. schedule
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        # 2. run
+        output = self.executor.execute(plan)
+        # 3. postprocess
+        return self._postprocess(plan, self.scheduler.update(plan, output))
+
+    def _postprocess(self, plan: BatchPlan, updates: list[SeqUpdate]) -> list[Delta]:
+        now = time.perf_counter()
+        deltas = []
+        for up in updates:
+            req = self.requests[up.request_id]
+            st = req.stats
+            if up.new_token_ids:
+                st.first_token = st.first_token or now
+                st.token_times.append(now)
+                st.num_steps += 1
+                st.num_output_tokens += len(up.new_token_ids)
+                if up.num_drafts:
+                    st.num_drafts += 1
+                    st.num_draft_tokens += up.num_drafts
+                    st.num_accepted_tokens += up.num_accepted
+            req.output_ids += up.new_token_ids
+            text = req.detok.add(up.new_token_ids)
+            finish = up.finish_reason
+            if req.detok.stopped and finish is None:
+                self.scheduler.abort(up.request_id, "stop")
+                finish = "stop"
+            if finish:
+                text += req.detok.flush()
+            delta = self._emit(req, text, up.new_token_ids, finish)
+            deltas.append(delta)
+        return deltas
+
+    def _emit(self, req: _Request, text: str, ids: list[int], finish: str | None) -> Delta:
+        req.text += text
+        delta = Delta(req.request_id, text, ids, finish)
+        req.pending.append(delta)
+        if finish:
+            self._finish(req, finish)
+        return delta
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        req.finish_reason = reason
+        req.stats.finished = time.perf_counter()
+
+    # -- convenience -----------------------------------------------------------------------
+
+    def stream(self, prompt: str | list[int] | None = None, params: SamplingParams = SamplingParams(),
+               **kw) -> Iterator[Delta]:
+        """Yield one request's deltas as they are produced (other requests keep running)."""
+        request_id = self.add_request(prompt, params, **kw)
+        req = self.requests[request_id]
+        while True:
+            while req.pending:
+                delta = req.pending.pop(0)
+                yield delta
+                if delta.finish_reason:
+                    self.requests.pop(request_id, None)
+                    return
+            self.step()
+
+    def generate(self, prompts: list, params: SamplingParams | list[SamplingParams] = SamplingParams(),
+                 chat: bool = False) -> list[Result]:
+        """Run a batch of prompts to completion (continuous batching) and return the results."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp, chat=chat) for p, sp in zip(prompts, params_list)]
+        while any(self.requests[i].finish_reason is None for i in ids):
+            self.step()
+        return [self.pop_result(i) for i in ids]
+
+    def pop_result(self, request_id: str) -> Result:
+        req = self.requests.pop(request_id)
+        return Result(request_id, req.text, req.output_ids, req.finish_reason or "abort",
+                      req.stats.as_dict())
+
+    def stats(self) -> dict:
+        return {**self.scheduler.stats(), "requests": len(self.requests)}
+
+
+__all__ = ["Engine", "Delta", "Result", "SamplingParams", "RequestError"]

@@ -1,0 +1,220 @@
+"""The scheduler core: continuous batching over waiting/running queues. Pure, no sockets.
+
+Every step: (1) give each running sequence its next tokens (decode token or next prefill
+chunk), preempting the newest sequences by recompute when pages run out; (2) admit waiting
+sequences while the token budget, the sequence limit and the pages allow; (3) after the
+step, append the produced tokens and finish sequences on EOS, stop ids or max_tokens.
+
+A sequence is just its tokens (prompt + output) and how many of them have KV
+(`num_computed`): a prefill chunk, a decode step and a recompute after preemption are the
+same operation, "run tokens[num_computed:]", so there is one code path for all three.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from overlap.batch import BatchPlan, SeqWork, StepOutput
+from overlap.config import SchedulerConfig
+from runtime.messages import SamplingParams
+from runtime.pages import PageAllocator
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    tokens: list[int]  # prompt + generated
+    num_prompt: int
+    params: SamplingParams
+    seed: int
+    num_spec_tokens: int  # drafts per step for this sequence (0: no speculation)
+    stop_ids: frozenset[int]
+    num_computed: int = 0  # tokens whose KV is in the cache
+    pages: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt:]
+
+
+@dataclass(frozen=True)
+class SeqUpdate:
+    """What one step did to one request: new tokens, and a finish reason when it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    num_drafts: int = 0
+    num_accepted: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator,
+                 eos_token_ids: tuple[int, ...] = ()):
+        self.config = config
+        self.allocator = allocator
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.by_request: dict[str, Sequence] = {}
+        self.by_seq: dict[int, Sequence] = {}
+        self._seq_ids = itertools.count()
+        self._step_ids = itertools.count()
+        self._freed: list[int] = []
+        self.num_preemptions = 0
+
+    # -- requests --------------------------------------------------------------------------
+
+    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seed: int,
+            num_spec_tokens: int = 0) -> Sequence:
+        if request_id in self.by_request:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt_ids:
+            raise ValueError("prompt: must contain at least one token")
+        stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        seq = Sequence(next(self._seq_ids), request_id, list(prompt_ids), len(prompt_ids), params,
+                       seed, num_spec_tokens, stop)
+        self.waiting.append(seq)
+        self.by_request[request_id] = seq
+        self.by_seq[seq.seq_id] = seq
+        return seq
+
+    def abort(self, request_id: str, reason: str = "abort") -> Sequence | None:
+        seq = self.by_request.get(request_id)
+        if seq is not None:
+            self._finish(seq, reason)
+        return seq
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step --------------------------------------------------------------------------
+
+    def schedule(self) -> BatchPlan | None:
+        budget = self.config.max_batched_tokens
+        works: list[SeqWork] = []
+        # 1. running sequences first, oldest first; preempt from the newest end.
+        for seq in list(self.running):
+            if seq not in self.running or budget <= 0:
+                continue  # preempted while making room for an older sequence
+            work = self._try_schedule(seq, budget, preempt=True)
+            if work is not None:
+                works.append(work)
+                budget -= len(work.token_ids)
+        # 2. admit waiting sequences while budget, seat and pages allow (FCFS: stop at the first misfit).
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            work = self._try_schedule(seq, budget, preempt=False)
+            if work is None:
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            works.append(work)
+            budget -= len(work.token_ids)
+        if not works:
+            return None
+        freed, self._freed = self._freed, []
+        return BatchPlan(next(self._step_ids), works, freed)
+
+    def _try_schedule(self, seq: Sequence, budget: int, preempt: bool) -> SeqWork | None:
+        remaining = len(seq.tokens) - seq.num_computed
+        n = min(remaining, budget)
+        is_last_chunk = n == remaining
+        # Speculation reserves room for k drafts + the bonus token; only on pure decode.
+        spec = seq.num_spec_tokens if (is_last_chunk and remaining == 1) else 0
+        need = seq.num_computed + n + spec
+        while not self.allocator.can_grow(seq.pages, need):
+            victim = self.running[-1] if self.running else None
+            if not preempt or victim is None:
+                return None
+            self._preempt(victim)
+            if victim is seq:
+                return None
+        self.allocator.grow(seq.pages, need)
+        p = seq.params
+        return SeqWork(
+            seq_id=seq.seq_id,
+            token_ids=seq.tokens[seq.num_computed: seq.num_computed + n],
+            start_pos=seq.num_computed,
+            page_table=list(seq.pages),
+            sample=is_last_chunk,
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=seq.seed,
+            num_spec_tokens=spec,
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: drop the KV, keep the tokens, go to the front of the queue."""
+        self.running.remove(seq)
+        self.allocator.free(seq.pages)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._freed.append(seq.seq_id)
+        self.waiting.appendleft(seq)
+
+    def update(self, plan: BatchPlan, output: StepOutput) -> list[SeqUpdate]:
+        """3. Record what the step produced; finish sequences that hit a stop condition."""
+        updates = []
+        produced = {o.seq_id: o for o in output.seqs}
+        for work in plan.seqs:
+            seq = self.by_seq.get(work.seq_id)
+            if seq is None:
+                continue  # finished or aborted while the step ran
+            if seq.num_computed != work.start_pos or seq not in self.running:
+                continue  # preempted while the step ran: its tokens will be recomputed
+            seq.num_computed = work.end_pos
+            out = produced.get(seq.seq_id)
+            new = self._append(seq, out.token_ids) if out else []
+            if seq.num_spec_tokens and seq.finish_reason is None:
+                self.allocator.trim(seq.pages, len(seq.tokens) + seq.num_spec_tokens)
+            if new or seq.finish_reason:
+                updates.append(SeqUpdate(seq.request_id, new, seq.finish_reason,
+                                         out.num_drafts if out else 0, out.num_accepted if out else 0))
+        return updates
+
+    def _append(self, seq: Sequence, token_ids: list[int]) -> list[int]:
+        new = []
+        for tok in token_ids:
+            seq.tokens.append(tok)
+            new.append(tok)
+            if tok in seq.stop_ids:
+                self._finish(seq, "stop")
+            elif seq.num_output >= seq.params.max_tokens:
+                self._finish(seq, "length")
+            elif len(seq.tokens) >= self.config.max_model_len:
+                self._finish(seq, "length")
+            if seq.finish_reason:
+                break
+        return new
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.finish_reason is None:
+            seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.free(seq.pages)
+        self._freed.append(seq.seq_id)
+        self.by_request.pop(seq.request_id, None)
+        self.by_seq.pop(seq.seq_id, None)
+
+    # -- observability ---------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return {
+            "waiting": len(self.waiting),
+            "running": len(self.running),
+            "free_pages": self.allocator.num_free,
+            "total_pages": self.allocator.num_pages,
+            "preemptions": self.num_preemptions,
+        }
