@@ -21,11 +21,16 @@ class SeqWork(msgspec.Struct, array_like=True, frozen=True):
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0  # every request has one; noise is keyed by (seed, position), see sampling.py
-    num_spec_tokens: int = 0  # drafts to propose for this sequence (0: no speculation)
+    num_spec_tokens: int = 0  # drafts to propose this step (0: no speculation this step)
+    draft: bool = False  # the sequence speculates: the drafter must follow its tokens
 
     @property
     def end_pos(self) -> int:
         return self.start_pos + len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1 and self.sample and self.start_pos > 0
 
 
 class BatchPlan(msgspec.Struct, array_like=True, frozen=True):
@@ -39,7 +44,8 @@ class BatchPlan(msgspec.Struct, array_like=True, frozen=True):
 
     @property
     def is_decode_only(self) -> bool:
-        return all(len(s.token_ids) == 1 and s.sample for s in self.seqs)
+        """Every sequence feeds back its last sampled token (no prompt chunk in the batch)."""
+        return all(s.is_decode for s in self.seqs)
 
 
 class SeqOutput(msgspec.Struct, array_like=True, frozen=True):

@@ -1,9 +1,12 @@
-"""Runs one BatchPlan on the device: prefill chunks and decode steps in one ragged batch.
+"""Runs one BatchPlan on the device: prefill chunks, decode steps and speculative steps.
 
-The step is split the way the pipelined runtime needs it:
+Each step is split the way the pipelined runtime needs it:
   1. prepare  (host)   flatten the plan into input tensors, plan attention;
-  2. launch   (device) forward + sampling, no host sync;
-  3. collect  (sync)   the one documented sync point: sampled ids to Python ints.
+  2. launch   (device) draft (speculative steps), target forward, sampling / verification;
+  3. collect  (sync)   the one documented sync point: produced ids to Python ints;
+  4. catch up (device) the drafter runs over the tokens it has not seen (KV fill).
+A decode-only batch in which some sequence asks for drafts is a speculative step; anything
+else (prefill chunks, mixed batches) samples one token per finishing sequence.
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ from typing import Any
 import torch
 
 from overlap.attention.base import AttentionBackend, SeqAttention
-from overlap.batch import BatchPlan, SeqOutput, StepOutput
+from overlap.batch import BatchPlan, SeqOutput, SeqWork, StepOutput
 from overlap.kv import KVPool
 from overlap.models.llama import LlamaModel
-from overlap.sampling import SamplingTensors, sample
+from overlap.sampling import SamplingTensors, probabilities, sample
+from overlap.spec.base import CatchUp, Proposer
+from overlap.spec.rejection import verify_chain
 
 
 @dataclass
@@ -25,70 +30,146 @@ class PreparedStep:
     plan: BatchPlan
     input_ids: torch.Tensor  # [T] i64
     positions: torch.Tensor  # [T] i64
+    attn: list[SeqAttention]
     meta: Any  # attention metadata for this step
     logits_rows: torch.Tensor  # [S] i64: last row of every sequence that samples
-    sample_positions: torch.Tensor  # [S] i64: where each sampled token will sit
+    sampled: list[SeqWork]  # sequences that produce tokens, in logits_rows order
     sampling: SamplingTensors | None
-    sampled_seq_ids: list[int]
+    spec_ks: list[int] | None  # drafts per sequence on a speculative step, else None
 
 
 @dataclass
 class LaunchedStep:
     prepared: PreparedStep
-    tokens: torch.Tensor  # [S] i64 on the device
+    tokens: torch.Tensor  # [S, K+1] i64 produced tokens (padding past num_produced)
+    num_accepted: torch.Tensor | None  # [S] i64 on speculative steps
+    num_drafts: list[int]
 
 
 class Executor:
-    def __init__(self, model: LlamaModel, kv: KVPool, backend: AttentionBackend):
+    def __init__(self, model: LlamaModel, kv: KVPool, backend: AttentionBackend,
+                 proposer: Proposer | None = None):
         self.model = model
         self.kv = kv
         self.backend = backend
+        self.proposer = proposer
         self.device = model.embed_tokens.device
         cfg = model.cfg
         self._attn_dims = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.dtype)
 
     def execute(self, plan: BatchPlan) -> StepOutput:
-        return self.collect(self.launch(self.prepare(plan)))
+        launched = self.launch(self.prepare(plan))
+        output = self.collect(launched)
+        self.catch_up(launched.prepared.plan, output)
+        return output
 
     # 1. host work
     def prepare(self, plan: BatchPlan) -> PreparedStep:
+        if self.proposer is not None and plan.freed_seq_ids:
+            self.proposer.release(plan.freed_seq_ids)
+        spec = self.proposer is not None and plan.is_decode_only and any(s.num_spec_tokens for s in plan.seqs)
         ids: list[int] = []
         positions: list[int] = []
         attn: list[SeqAttention] = []
         rows: list[int] = []
         for s in plan.seqs:
-            ids += s.token_ids
-            positions += range(s.start_pos, s.end_pos)
-            attn.append(SeqAttention(q_len=len(s.token_ids), kv_len=s.end_pos, page_table=s.page_table))
+            # On a speculative step each sequence's verify rows are [last token, drafts...];
+            # the drafts are filled in on the device by launch().
+            q_len = len(s.token_ids) + (s.num_spec_tokens if spec else 0)
+            ids += s.token_ids + [0] * (q_len - len(s.token_ids))
+            positions += range(s.start_pos, s.start_pos + q_len)
+            attn.append(SeqAttention(q_len=q_len, kv_len=s.start_pos + q_len, page_table=s.page_table))
             if s.sample:
-                rows.append(len(ids) - 1)
+                rows += range(len(ids) - q_len, len(ids)) if spec else [len(ids) - 1]
         sampled = [s for s in plan.seqs if s.sample]
         dev = self.device
         return PreparedStep(
             plan=plan,
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            attn=attn,
             meta=self.backend.plan(attn, self.kv.page_size, *self._attn_dims),
             logits_rows=torch.tensor(rows, dtype=torch.long, device=dev),
-            sample_positions=torch.tensor([s.end_pos for s in sampled], dtype=torch.long, device=dev),
+            sampled=sampled,
             sampling=SamplingTensors.from_seqs(sampled, dev) if sampled else None,
-            sampled_seq_ids=[s.seq_id for s in sampled],
+            spec_ks=[s.num_spec_tokens for s in plan.seqs] if spec else None,
         )
 
     # 2. device work
     def launch(self, step: PreparedStep) -> LaunchedStep:
+        if step.spec_ks is not None:
+            return self._launch_speculative(step)
         _, logits = self.model(step.input_ids, step.positions, self.backend, self.kv, step.meta,
                                step.logits_rows)
         if step.sampling is None:
-            return LaunchedStep(step, torch.empty(0, dtype=torch.long))
-        return LaunchedStep(step, sample(logits, step.sampling, step.sample_positions))
+            return LaunchedStep(step, torch.empty(0, 1, dtype=torch.long), None, [])
+        positions = torch.tensor([s.end_pos for s in step.sampled], dtype=torch.long, device=self.device)
+        return LaunchedStep(step, sample(logits, step.sampling, positions)[:, None], None, [])
+
+    def _launch_speculative(self, step: PreparedStep) -> LaunchedStep:
+        seqs, ks, st = step.sampled, step.spec_ks, step.sampling
+        b, dev = len(seqs), self.device
+        # Stage 2: draft.
+        proposal = self.proposer.propose(seqs, ks, st)
+        width = proposal.tokens.shape[1]
+        # Rows of the flat verify batch that hold drafts, and where they go in [B, K+1].
+        flat_draft, flat_all, padded_all, padded_draft = [], [], [], []
+        row = 0
+        for i, k in enumerate(ks):
+            flat_draft += range(row + 1, row + 1 + k)
+            padded_draft += range(i * width, i * width + k)
+            flat_all += range(row, row + k + 1)
+            padded_all += range(i * (width + 1), i * (width + 1) + k + 1)
+            row += k + 1
+        ids = step.input_ids.clone()
+        ids[torch.tensor(flat_draft, dtype=torch.long, device=dev)] = \
+            proposal.tokens.view(-1)[torch.tensor(padded_draft, dtype=torch.long, device=dev)]
+        # Stage 3: verify all drafts in one target pass (q_len = k+1 per sequence).
+        _, logits = self.model(ids, step.positions, self.backend, self.kv, step.meta, step.logits_rows)
+        padded = torch.zeros(b * (width + 1), logits.shape[-1], device=dev)
+        padded[torch.tensor(padded_all, dtype=torch.long, device=dev)] = logits
+        rows_st = SamplingTensors.from_seqs(seqs, dev, repeats=[width + 1] * b)
+        p = probabilities(padded, rows_st).view(b, width + 1, -1)
+        # Drafters may find fewer drafts than reserved (n-gram); verify what they proposed.
+        num_drafts = torch.tensor(proposal.num_drafts, dtype=torch.long, device=dev)
+        first = torch.tensor([s.end_pos for s in seqs], dtype=torch.long, device=dev)
+        # Stage 4 (recovered / bonus token) happens inside verify_chain.
+        tokens, accepted = verify_chain(p, proposal.probs, proposal.tokens, num_drafts, st.seed, first)
+        return LaunchedStep(step, tokens, accepted, proposal.num_drafts)
 
     # 3. the sync point
     def collect(self, launched: LaunchedStep) -> StepOutput:
-        # The one host sync of a step: the scheduler needs the sampled ids as Python ints.
+        # The one host sync of a step: the scheduler needs the produced ids as Python ints.
         tokens = launched.tokens.tolist()
-        by_seq = dict(zip(launched.prepared.sampled_seq_ids, tokens))
+        accepted = launched.num_accepted.tolist() if launched.num_accepted is not None else None
+        outputs: dict[int, SeqOutput] = {}
+        for i, s in enumerate(launched.prepared.sampled):
+            if accepted is None:
+                outputs[s.seq_id] = SeqOutput(s.seq_id, tokens[i][:1])
+            else:
+                a = accepted[i]
+                outputs[s.seq_id] = SeqOutput(s.seq_id, tokens[i][: a + 1], launched.num_drafts[i], a)
         plan = launched.prepared.plan
-        return StepOutput(plan.step_id, [
-            SeqOutput(s.seq_id, [by_seq[s.seq_id]] if s.seq_id in by_seq else []) for s in plan.seqs
-        ])
+        return StepOutput(plan.step_id, [outputs.get(s.seq_id, SeqOutput(s.seq_id, [])) for s in plan.seqs])
+
+    # 4. drafter KV fill
+    def catch_up(self, plan: BatchPlan, output: StepOutput) -> None:
+        """Feed the drafter the tokens it has not seen: prompt chunks and produced tokens."""
+        if self.proposer is None:
+            return
+        spec = plan.is_decode_only and any(s.num_spec_tokens for s in plan.seqs)
+        updates = []
+        for s, out in zip(plan.seqs, output.seqs):
+            if not s.draft:
+                continue
+            known = s.token_ids + out.token_ids  # from position s.start_pos on
+            skip = 0
+            if spec and s.num_spec_tokens:
+                # The drafter ran its own drafts 1..k-1 through its KV while proposing; the
+                # accepted ones are valid there. Feed from the first token it has not run:
+                # the recovered token, or the last draft (if all were accepted) + the bonus.
+                skip = 1 + min(out.num_accepted, s.num_spec_tokens - 1)
+            # Elsewhere the step's input token is fed again (an identical KV rewrite) so that
+            # prefill chunks, plain decodes and recomputes after preemption share one rule.
+            updates.append(CatchUp(s.seq_id, s.start_pos + skip, known[skip:], s.page_table))
+        self.proposer.catch_up(updates)

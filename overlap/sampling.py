@@ -38,7 +38,8 @@ def uniform_noise(seed: torch.Tensor, position: torch.Tensor, purpose: int, widt
     h = _mix32(h ^ (purpose * 0x165667B1 & _MASK32))
     col = torch.arange(width, device=seed.device)
     u = _mix32(h[:, None] ^ (col[None, :] * 0x2545F491 & _MASK32))
-    return (u.float() + 0.5) * (1.0 / 4294967296.0)
+    # f32 rounds u >= 2^32-128 up to 1.0; then -log(u) = 0 and race() picks p=0 tokens (0/0 = nan).
+    return ((u.float() + 0.5) * (1.0 / 4294967296.0)).clamp_max(1.0 - 2.0**-24)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,9 @@ def _mask_top_k_top_p(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor
     if st.any_top_p:
         probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
         mass_before = probs.cumsum(-1) - probs
-        drop |= mass_before >= st.top_p[:, None]  # keep the smallest prefix reaching top_p
+        # keep the smallest prefix reaching top_p; top_p = 1 is off (an f32 cumsum reaches 1.0
+        # before the tail ends, which would drop tail tokens in rows that asked for no top-p).
+        drop |= (mass_before >= st.top_p[:, None]) & (st.top_p[:, None] < 1.0)
     drop[:, 0] = False  # the top token always survives
     masked = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, masked)

@@ -21,6 +21,8 @@ from overlap.config import EngineConfig, torch_dtype
 from overlap.executor import Executor
 from overlap.models.llama import load_llama
 from overlap.models.loading import load_tokenizer, resolve_model_dir
+from overlap.spec.draft_target import DraftTargetProposer, load_draft
+from overlap.spec.ngram import NgramProposer
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.messages import RequestError, SamplingParams
 from runtime.pages import PageAllocator
@@ -49,6 +51,20 @@ class RequestStats:
     first_token: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished: float | None = None
+    drafted_at: list[int] = field(default_factory=list)  # [i]: steps with a draft at position i
+    accepted_at: list[int] = field(default_factory=list)  # [i]: of which the target accepted
+
+    def record_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        grow = num_drafts - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for i in range(num_drafts):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < num_accepted
 
     def as_dict(self) -> dict:
         d = {
@@ -61,7 +77,9 @@ class RequestStats:
         if self.num_drafts:
             d.update(drafts=self.num_drafts, draft_tokens=self.num_draft_tokens,
                      accepted_tokens=self.num_accepted_tokens,
-                     acceptance_length=1 + self.num_accepted_tokens / self.num_drafts)
+                     acceptance_length=1 + self.num_accepted_tokens / self.num_drafts,
+                     drafted_per_position=list(self.drafted_at),
+                     accepted_per_position=list(self.accepted_at))
         return d
 
 
@@ -95,12 +113,26 @@ class Engine:
         self.max_model_len = min(config.scheduler.max_model_len, cfg.max_position)
         kv = self.model.new_kv_pool(config.cache.num_pages, config.cache.page_size)
         backend = make_backend(config.attention_backend, config.device)
-        self.executor = Executor(self.model, kv, backend)
+        self.executor = Executor(self.model, kv, backend, self._make_proposer(config))
         self.allocator = PageAllocator(config.cache.num_pages, config.cache.page_size)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.allocator, self._eos_ids())
         self.requests: dict[str, _Request] = {}
         self._seeds = random.Random()
+
+    def _make_proposer(self, config: EngineConfig):
+        spec = config.spec
+        if spec.method == "none":
+            return None
+        if spec.method == "ngram":
+            return NgramProposer(self.model.cfg.vocab_size, config.device, spec.ngram_min, spec.ngram_max)
+        if spec.method == "draft":
+            if not spec.draft_model:
+                raise ValueError("spec method 'draft' needs spec.draft_model (a draft directory)")
+            draft = load_draft(spec.draft_model, self.model)
+            return DraftTargetProposer(draft, make_backend(config.attention_backend, config.device),
+                                       config.cache.num_pages, config.cache.page_size)
+        raise ValueError(f"unknown spec method {spec.method!r} (none | draft | ngram)")
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model.cfg.eos_token_ids)
@@ -140,7 +172,10 @@ class Engine:
         return request_id
 
     def _num_spec_tokens(self, params: SamplingParams) -> int:
-        return 0  # speculation arrives with the drafters
+        if self.config.spec.method == "none" or not params.spec:
+            return 0
+        k = params.num_spec_tokens
+        return self.config.spec.num_spec_tokens if k is None else k
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         params.validate()
@@ -189,9 +224,7 @@ class Engine:
                 st.num_steps += 1
                 st.num_output_tokens += len(up.new_token_ids)
                 if up.num_drafts:
-                    st.num_drafts += 1
-                    st.num_draft_tokens += up.num_drafts
-                    st.num_accepted_tokens += up.num_accepted
+                    st.record_drafts(up.num_drafts, up.num_accepted)
             req.output_ids += up.new_token_ids
             text = req.detok.add(up.new_token_ids)
             finish = up.finish_reason

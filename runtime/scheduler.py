@@ -16,6 +16,8 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from overlap.batch import BatchPlan, SeqWork, StepOutput
 from overlap.config import SchedulerConfig
 from runtime.messages import SamplingParams
@@ -122,6 +124,10 @@ class Scheduler:
             budget -= len(work.token_ids)
         if not works:
             return None
+        if not all(w.is_decode for w in works):
+            # Mixed prefill/decode batches do not speculate (the drafter would have to run
+            # inside the prefill); the reserved draft pages are trimmed after the step.
+            works = [msgspec.structs.replace(w, num_spec_tokens=0) for w in works]
         freed, self._freed = self._freed, []
         return BatchPlan(next(self._step_ids), works, freed)
 
@@ -129,9 +135,10 @@ class Scheduler:
         remaining = len(seq.tokens) - seq.num_computed
         n = min(remaining, budget)
         is_last_chunk = n == remaining
-        # Speculation reserves room for k drafts + the bonus token; only on pure decode.
-        spec = seq.num_spec_tokens if (is_last_chunk and remaining == 1) else 0
-        need = seq.num_computed + n + spec
+        spec = self._num_drafts(seq) if (remaining == 1 and seq.num_computed > 0) else 0
+        # Room for: this step's tokens, the drafts being verified, and the drafter's
+        # catch-up run over the token this step produces.
+        need = seq.num_computed + n + spec + (1 if seq.num_spec_tokens else 0)
         while not self.allocator.can_grow(seq.pages, need):
             victim = self.running[-1] if self.running else None
             if not preempt or victim is None:
@@ -149,7 +156,13 @@ class Scheduler:
             sample=is_last_chunk,
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=seq.seed,
             num_spec_tokens=spec,
+            draft=seq.num_spec_tokens > 0,
         )
+
+    def _num_drafts(self, seq: Sequence) -> int:
+        """Drafts for a decode step: never past max_tokens or the context (a step emits k+1)."""
+        room = min(seq.params.max_tokens - seq.num_output, self.config.max_model_len - len(seq.tokens))
+        return max(0, min(seq.num_spec_tokens, room - 1))
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop the KV, keep the tokens, go to the front of the queue."""
@@ -175,7 +188,9 @@ class Scheduler:
             out = produced.get(seq.seq_id)
             new = self._append(seq, out.token_ids) if out else []
             if seq.num_spec_tokens and seq.finish_reason is None:
-                self.allocator.trim(seq.pages, len(seq.tokens) + seq.num_spec_tokens)
+                # Give back the pages reserved for rejected drafts; keep what holds every
+                # known token (the drafter's KV includes the last one).
+                self.allocator.trim(seq.pages, len(seq.tokens))
             if new or seq.finish_reason:
                 updates.append(SeqUpdate(seq.request_id, new, seq.finish_reason,
                                          out.num_drafts if out else 0, out.num_accepted if out else 0))

@@ -79,15 +79,22 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", shared_embeddings: "LlamaModel | None" = None):
+        """shared_embeddings: take embed_tokens and lm_head from that model (drafters)."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
-                        else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size)))
+        self.shares_embeddings = shared_embeddings is not None
+        if shared_embeddings is None:
+            self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+            self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
+                            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size)))
         self.to(dtype=dtype, device=device)
+        if shared_embeddings is not None:
+            # Plain attributes, not registered parameters: the drafter neither owns nor saves them.
+            object.__setattr__(self, "embed_tokens", shared_embeddings.embed_tokens)
+            object.__setattr__(self, "lm_head", shared_embeddings.lm_head)
         self.rope = RotaryTable(cfg, dtype, device)
 
     @property
@@ -123,10 +130,11 @@ class LlamaModel(nn.Module):
         """Copy weights named as in transformers' LlamaForCausalLM / Qwen2ForCausalLM."""
         sd = {k.removeprefix("model."): v for k, v in sd.items()}
         with torch.no_grad():
-            self.embed_tokens.copy_(sd["embed_tokens.weight"])
+            if not self.shares_embeddings:
+                self.embed_tokens.copy_(sd["embed_tokens.weight"])
+                if not self.cfg.tie_word_embeddings:
+                    self.lm_head.copy_(sd["lm_head.weight"])
             self.norm.weight.copy_(sd["norm.weight"])
-            if not self.cfg.tie_word_embeddings:
-                self.lm_head.copy_(sd["lm_head.weight"])
             for i, layer in enumerate(self.layers):
                 p = f"layers.{i}."
                 attn = [sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]

@@ -1,0 +1,1 @@
+"""Drafters ("proposers"): one module each, one interface (base.py)."""

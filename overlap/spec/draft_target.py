@@ -1,0 +1,137 @@
+"""Draft-target speculation: a small LLM that shares the target's tokenizer proposes a chain.
+
+The draft has its own KV pool, indexed by the SAME page tables as the target's (the
+scheduler allocates once per sequence for both). Stages (DESIGN.md §3):
+  prefill / plain steps: after the target, the draft catches up on the step's tokens, the
+      sampled one included, and its last logits are carried to the next step;
+  propose: the first draft comes from the carried logits; the draft then runs k-1 times;
+  after verification: the draft runs once over the tokens it has not seen (the last draft
+      if every draft was accepted, and the recovered/bonus token) and carries new logits.
+The draft may score only part of the vocabulary (`vocab_ids`, the target's most frequent
+tokens, as in FR-Spec): q is then zero elsewhere, which the rejection sampler handles
+losslessly, and the draft's lm_head costs a fraction of the target's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from overlap.attention.base import AttentionBackend, SeqAttention
+from overlap.batch import SeqWork
+from overlap.models.llama import LlamaModel, linear
+from overlap.sampling import NOISE_DRAFT, SamplingTensors, probabilities, race
+from overlap.spec.base import CatchUp, Proposal
+
+
+class DraftModel:
+    """A LlamaModel whose logits cover `vocab_ids` of the target vocabulary (all if None)."""
+
+    def __init__(self, model: LlamaModel, vocab_size: int, vocab_ids: torch.Tensor | None):
+        self.model = model
+        self.vocab_size = vocab_size
+        self.vocab_ids = vocab_ids  # [Vd] i64 or None
+        head = model.lm_head
+        # A gathered copy of the shared lm_head rows: [Vd, hidden], a few MB.
+        self.lm_head = head if vocab_ids is None else head[vocab_ids].contiguous()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] → [N, vocab] f32, -inf outside vocab_ids."""
+        sub = linear(hidden, self.lm_head).float()
+        if self.vocab_ids is None:
+            return sub
+        full = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), device=hidden.device)
+        full[:, self.vocab_ids] = sub
+        return full
+
+
+class DraftTargetProposer:
+    name = "draft"
+    needs_kv = True
+
+    def __init__(self, draft: DraftModel, backend: AttentionBackend, num_pages: int, page_size: int):
+        self.draft = draft
+        self.backend = backend
+        self.kv = draft.model.new_kv_pool(num_pages, page_size)
+        self.page_size = page_size
+        cfg = draft.model.cfg
+        self._attn_dims = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, draft.model.dtype)
+        self.carried: dict[int, torch.Tensor] = {}  # seq_id → [V] f32 logits for the next position
+
+    def _forward(self, ids: torch.Tensor, positions: list[int], attn: list[SeqAttention],
+                 last_rows: list[int]) -> torch.Tensor:
+        """ids [T] i64 → draft logits [len(last_rows), V] f32 at the given rows."""
+        meta = self.backend.plan(attn, self.page_size, *self._attn_dims)
+        pos = torch.tensor(positions, dtype=torch.long, device=ids.device)
+        hidden, _ = self.draft.model(ids, pos, self.backend, self.kv, meta)
+        return self.draft.logits(hidden[torch.tensor(last_rows, device=ids.device)])
+
+    def propose(self, seqs: list[SeqWork], ks: list[int], sampling: SamplingTensors) -> Proposal:
+        b, width = len(seqs), max(ks)
+        device = sampling.seed.device
+        tokens = torch.zeros(b, width, dtype=torch.long, device=device)
+        probs = torch.zeros(b, width, self.draft.vocab_size, device=device)
+        # Draft i sits at position end_pos + i (end_pos: where the target's next token goes).
+        first = torch.tensor([s.end_pos for s in seqs], dtype=torch.long, device=device)
+        logits = torch.stack([self.carried[s.seq_id] for s in seqs])  # [B, V] f32
+        rows = list(range(b))
+        for i in range(width):
+            # 1. sample draft i of every row that still drafts, from q_i.
+            st = _select(sampling, rows)
+            q = probabilities(logits, st)
+            d = q.argmax(-1) if st.all_greedy else race(q, st.seed, first[rows] + i, NOISE_DRAFT)
+            tokens[rows, i] = d
+            probs[rows, i] = q
+            # 2. run the draft on it to get q_{i+1}, for rows that need another draft.
+            rows_next = [r for r in rows if ks[r] > i + 1]
+            if not rows_next:
+                break
+            keep = [rows.index(r) for r in rows_next]
+            attn = [SeqAttention(1, seqs[r].end_pos + i + 1, seqs[r].page_table) for r in rows_next]
+            logits = self._forward(d[keep], [seqs[r].end_pos + i for r in rows_next], attn,
+                                   list(range(len(rows_next))))
+            rows = rows_next
+        return Proposal(tokens, probs, list(ks))
+
+    def catch_up(self, updates: list[CatchUp]) -> None:
+        if not updates:
+            return
+        ids, positions, attn, last = [], [], [], []
+        for u in updates:
+            ids += u.new_tokens
+            positions += range(u.start_pos, u.start_pos + len(u.new_tokens))
+            attn.append(SeqAttention(len(u.new_tokens), u.start_pos + len(u.new_tokens), u.page_table))
+            last.append(len(ids) - 1)
+        device = self.draft.model.embed_tokens.device
+        logits = self._forward(torch.tensor(ids, dtype=torch.long, device=device), positions, attn, last)
+        for u, row in zip(updates, logits):
+            self.carried[u.seq_id] = row
+
+    def release(self, seq_ids: list[int]) -> None:
+        for i in seq_ids:
+            self.carried.pop(i, None)
+
+
+def _select(st: SamplingTensors, rows: list[int]) -> SamplingTensors:
+    if len(rows) == st.seed.shape[0]:
+        return st
+    idx = torch.tensor(rows, device=st.seed.device)
+    return SamplingTensors(st.temperature[idx], st.top_k[idx], st.top_p[idx], st.seed[idx],
+                           st.all_greedy, st.any_greedy, st.any_top_k, st.any_top_p)
+
+
+def load_draft(draft_dir, target: LlamaModel) -> DraftModel:
+    """A draft directory holds config.json and model.safetensors with the decoder layers, the
+    final norm and optionally `vocab_ids`; embeddings and lm_head are the target's (shared)."""
+    from overlap.config import ModelConfig
+    from overlap.models.loading import load_state_dict, read_model_config
+
+    cfg = ModelConfig.from_hf(read_model_config(draft_dir))
+    if (cfg.vocab_size, cfg.hidden_size) != (target.cfg.vocab_size, target.cfg.hidden_size):
+        raise ValueError(f"draft {draft_dir} does not fit the target: vocab/hidden "
+                         f"{cfg.vocab_size}/{cfg.hidden_size} vs {target.cfg.vocab_size}/{target.cfg.hidden_size}")
+    sd = load_state_dict(draft_dir, target.dtype)
+    vocab_ids = sd.pop("vocab_ids", None)
+    model = LlamaModel(cfg, target.dtype, target.embed_tokens.device, shared_embeddings=target)
+    model.load_hf_state_dict(sd)
+    ids = vocab_ids.long().to(target.embed_tokens.device) if vocab_ids is not None else None
+    return DraftModel(model.eval(), cfg.vocab_size, ids)
