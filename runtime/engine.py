@@ -19,7 +19,7 @@ from overlap.attention import make_backend
 from overlap.batch import BatchPlan
 from overlap.config import EngineConfig, torch_dtype
 from overlap.executor import Executor
-from overlap.models.llama import load_llama
+from overlap.models.llama import LlamaModel, load_llama
 from overlap.models.loading import load_tokenizer, resolve_model_dir
 from overlap.spec.draft_target import DraftTargetProposer, load_draft
 from overlap.spec.ngram import NgramProposer
@@ -105,10 +105,21 @@ class _Request:
 
 class Engine:
     def __init__(self, config: EngineConfig = EngineConfig(), progress: bool = True):
-        self.config = config
         model_dir = resolve_model_dir(config.model, progress=progress)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.model = load_llama(model_dir, torch_dtype(config.dtype), config.device)
+        model = load_llama(model_dir, torch_dtype(config.dtype), config.device)
+        self._setup(config, model, load_tokenizer(model_dir))
+
+    @classmethod
+    def from_model(cls, config: EngineConfig, model: LlamaModel, tokenizer) -> "Engine":
+        """An engine around an already loaded target (tools that hold one reuse it)."""
+        engine = cls.__new__(cls)
+        engine._setup(config, model, tokenizer)
+        return engine
+
+    def _setup(self, config: EngineConfig, model: LlamaModel, tokenizer) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model = model
         cfg = self.model.cfg
         self.max_model_len = min(config.scheduler.max_model_len, cfg.max_position)
         kv = self.model.new_kv_pool(config.cache.num_pages, config.cache.page_size)

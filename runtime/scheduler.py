@@ -24,7 +24,7 @@ from runtime.messages import SamplingParams
 from runtime.pages import PageAllocator
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field equality: queues hold distinct sequences
 class Sequence:
     seq_id: int
     request_id: str

@@ -63,22 +63,26 @@ class ReferenceBackend:
 
 
 def _plan_group(seqs: list[SeqAttention], q_starts: list[int], page_size: int) -> _Group:
-    q_max = max(s.q_len for s in seqs)
-    l_max = max(s.kv_len for s in seqs)
-    q_index = torch.zeros(len(seqs), q_max, dtype=torch.long)
-    q_valid = torch.zeros(len(seqs), q_max, dtype=torch.bool)
+    q_lens = torch.tensor([s.q_len for s in seqs])
+    kv_lens = torch.tensor([s.kv_len for s in seqs])
+    q_max, l_max = int(q_lens.max()), int(kv_lens.max())
+    rows = torch.arange(q_max)[None, :]  # [1, Qmax]
+    q_valid = rows < q_lens[:, None]
+    q_index = torch.where(q_valid, torch.tensor(q_starts)[:, None] + rows, 0)
     kv_slots = torch.zeros(len(seqs), l_max, dtype=torch.long)
-    mask = torch.zeros(len(seqs), q_max, l_max, dtype=torch.bool)
-    for b, (s, q0) in enumerate(zip(seqs, q_starts)):
-        prefix = s.kv_len - s.q_len
-        q_index[b, : s.q_len] = torch.arange(q0, q0 + s.q_len)
-        q_valid[b, : s.q_len] = True
+    for b, s in enumerate(seqs):
         kv_slots[b, : s.kv_len] = torch.tensor(slot_mapping(s.page_table, 0, s.kv_len, page_size))
-        mask[b, : s.q_len, :prefix] = True
-        new = s.tree_mask if s.tree_mask is not None else torch.ones(s.q_len, s.q_len).tril().bool()
-        mask[b, : s.q_len, prefix: s.kv_len] = new
-        # Padding rows attend to slot 0 only, so their softmax is finite; they are discarded.
-        mask[b, s.q_len:, 0] = True
+    # Causal: query i of a sequence sits at position prefix + i and sees keys 0 .. prefix + i.
+    prefix = (kv_lens - q_lens)[:, None, None]
+    cols = torch.arange(l_max)[None, None, :]
+    mask = cols <= prefix + rows[..., None]
+    for b, s in enumerate(seqs):
+        if s.tree_mask is not None:
+            p = s.kv_len - s.q_len
+            mask[b, : s.q_len, p: s.kv_len] = s.tree_mask
+    # Padding rows attend to slot 0 only, so their softmax is finite; they are discarded.
+    mask &= q_valid[..., None]
+    mask[:, :, 0] |= ~q_valid
     return _Group(q_index, q_valid, kv_slots, mask)
 
 

@@ -19,17 +19,32 @@ from overlap.config import ModelConfig
 from overlap.kv import KVPool
 from overlap.models.rope import RotaryTable
 
-# Rows per matmul call. oneDNN's bf16 (AMX) kernels give every row the same result for any
-# M <= 32, so cutting larger batches into 32-row pieces makes a token's activations
-# independent of what else is in the batch: verify passes and decode steps agree bit for bit.
+# Rows per matmul call on the CPU in bf16. oneDNN's bf16 (AMX) kernels give every row the
+# same result for any M <= 32, so cutting larger batches into 32-row pieces makes a token's
+# activations independent of what else is in the batch: verify passes and decode steps
+# agree bit for bit (tests/models/test_batch_invariance.py). Row counts are also padded to a
+# few bucket sizes because oneDNN builds a kernel per new shape (~6 ms each), which would
+# otherwise happen on nearly every step of a continuously batched server.
 ROW_BLOCK = 32
+
+
+def _bucket(rows: int) -> int:
+    if rows > ROW_BLOCK:
+        return -(-rows // ROW_BLOCK) * ROW_BLOCK
+    return 1 << (rows - 1).bit_length()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Batch-invariant F.linear: x [T, in] → [T, out]."""
-    if x.shape[0] <= ROW_BLOCK:
-        return F.linear(x, weight, bias)
-    return torch.cat([F.linear(part, weight, bias) for part in x.split(ROW_BLOCK)])
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return F.linear(x, weight, bias)  # float32: MKL, no per-shape kernels to build
+    rows = x.shape[0]
+    padded = _bucket(max(rows, 1))
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    if padded <= ROW_BLOCK:
+        return F.linear(x, weight, bias)[:rows]
+    return torch.cat([F.linear(part, weight, bias) for part in x.split(ROW_BLOCK)])[:rows]
 
 
 class RMSNorm(nn.Module):
@@ -90,6 +105,8 @@ class LlamaModel(nn.Module):
             self.embed_tokens = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
             self.lm_head = (self.embed_tokens if cfg.tie_word_embeddings
                             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size)))
+        # Inference only (forward runs under inference_mode); training tools use their own modules.
+        self.requires_grad_(False)
         self.to(dtype=dtype, device=device)
         if shared_embeddings is not None:
             # Plain attributes, not registered parameters: the drafter neither owns nor saves them.

@@ -72,8 +72,8 @@ class DraftTargetProposer:
         probs = torch.zeros(b, width, self.draft.vocab_size, device=device)
         # Draft i sits at position end_pos + i (end_pos: where the target's next token goes).
         first = torch.tensor([s.end_pos for s in seqs], dtype=torch.long, device=device)
-        logits = torch.stack([self.carried[s.seq_id] for s in seqs])  # [B, V] f32
-        rows = list(range(b))
+        rows = [r for r in range(b) if ks[r] > 0]  # sequences with speculation off propose nothing
+        logits = torch.stack([self.carried[seqs[r].seq_id] for r in rows])  # [rows, V] f32
         for i in range(width):
             # 1. sample draft i of every row that still drafts, from q_i.
             st = _select(sampling, rows)

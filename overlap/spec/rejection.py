@@ -59,7 +59,7 @@ def verify_chain(
     extra_probs = torch.where(all_accepted[:, None], p_end, residual)
     extra = race(extra_probs, seed, first_position + num_accepted, NOISE_SAMPLE)  # [B]
     # 4. assemble accepted drafts + the extra token.
-    tokens = torch.cat([draft_tokens, torch.zeros_like(draft_tokens[:, :1])], dim=1)
+    tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(b, 1)], dim=1)  # K = 0: [:, :1] is empty
     tokens = tokens.scatter(1, num_accepted[:, None], extra[:, None])
     return tokens, num_accepted
 

@@ -1,0 +1,339 @@
+"""`overlap bench`: throughput and latency of one or more engine variants on a prompt file.
+
+    prompts = load_prompts("prompts/dev.jsonl", limit=4)
+    report = run_bench([("none", EngineConfig())], prompts, max_tokens=32, concurrencies=[1, 4])
+    print(format_report(report))
+
+Per variant and concurrency C, `drive` keeps C requests in flight (a new one is submitted
+as soon as one finishes) through a `StreamClient`: anything with `add(prompt_ids, params)
+-> request_id` and `step() -> deltas`. `EngineClient` adapts the in-process Engine; a
+client of a running server only has to offer the same two calls.
+
+Metrics (per variant and concurrency):
+- tokens/s: all output tokens / wall time (prefill included), requests/s likewise.
+- TTFT: submission → first delta carrying tokens (queueing included).
+- inter-token latency (ITL): per request, the gap between consecutive deltas that carried
+  tokens; a delta with n tokens (speculation) counts as n gaps of gap/n each.
+The bandwidth floor is the time to read every weight once per decode step at the
+machine's measured copy bandwidth; efficiency = floor / measured ms per token (mean ITL at
+the lowest concurrency, prefill excluded).
+No argparse here: the CLI (runtime/cli.py) parses and calls in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from overlap.config import EngineConfig
+from overlap.models.loading import resolve_model_dir
+from runtime.engine import Delta, Engine
+from runtime.messages import RequestError, SamplingParams
+
+# -- prompts -------------------------------------------------------------------------------
+
+
+def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
+    """The "prompt" field of each JSONL line (blank lines skipped), the first `limit` of them."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompts file {path} does not exist")
+    prompts = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"prompts file {path} line {lineno}: not valid JSON ({e.msg})") from None
+            prompt = obj.get("prompt") if isinstance(obj, dict) else None
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError(f"prompts file {path} line {lineno}: expected an object with a "
+                                 f"non-empty string field \"prompt\"")
+            prompts.append(prompt)
+            if limit is not None and len(prompts) >= limit:
+                break
+    if not prompts:
+        raise ValueError(f"prompts file {path} holds no prompts")
+    return prompts
+
+
+# -- driving requests ----------------------------------------------------------------------
+
+
+class StreamClient(Protocol):
+    def add(self, prompt_ids: list[int], params: SamplingParams) -> str: ...
+
+    def step(self) -> list[Delta]: ...
+
+
+class EngineClient:
+    """The in-process Engine as a StreamClient."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def add(self, prompt_ids: list[int], params: SamplingParams) -> str:
+        return self.engine.add_request(prompt_ids, params)
+
+    def step(self) -> list[Delta]:
+        deltas = self.engine.step()
+        if not deltas and not self.engine.has_work():
+            raise RuntimeError("engine has requests in flight but nothing to run")
+        for d in deltas:
+            if d.finish_reason:
+                # Drop the engine's record (and its queued deltas): we keep our own trace.
+                self.engine.pop_result(d.request_id)
+        return deltas
+
+
+@dataclass
+class Trace:
+    """One request's timeline as the client saw it."""
+
+    submitted: float = 0.0
+    token_ids: list[int] = field(default_factory=list)
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) per delta with tokens
+    finish_reason: str | None = None
+
+
+def drive(client: StreamClient, prompts: Sequence[list[int]], params: SamplingParams,
+          concurrency: int, on_finish: Callable[[], None] = lambda: None) -> tuple[list[Trace], float]:
+    """Run every prompt with `concurrency` requests in flight; returns the traces and wall time."""
+    traces = [Trace() for _ in prompts]
+    in_flight: dict[str, Trace] = {}
+    next_prompt, done = 0, 0
+    start = time.perf_counter()
+    while done < len(prompts):
+        # 1. top up: a finished request's seat goes to the next prompt at once
+        while next_prompt < len(prompts) and len(in_flight) < concurrency:
+            trace = traces[next_prompt]
+            trace.submitted = time.perf_counter()
+            in_flight[client.add(prompts[next_prompt], params)] = trace
+            next_prompt += 1
+        # 2. step, and stamp every delta with the time it reached us
+        deltas = client.step()
+        now = time.perf_counter()
+        for d in deltas:
+            trace = in_flight[d.request_id]
+            if d.token_ids:
+                trace.token_ids += d.token_ids
+                trace.arrivals.append((now, len(d.token_ids)))
+            if d.finish_reason:
+                trace.finish_reason = d.finish_reason
+                del in_flight[d.request_id]
+                done += 1
+                on_finish()
+    return traces, time.perf_counter() - start
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(traces: list[Trace], wall_s: float) -> dict:
+    """Throughput and latency percentiles (latencies in ms) of one drive() run."""
+    output_tokens = sum(len(t.token_ids) for t in traces)
+    ttft = [(t.arrivals[0][0] - t.submitted) * 1e3 for t in traces if t.arrivals]
+    itl: list[float] = []
+    for t in traces:
+        for (prev, _), (now, n) in zip(t.arrivals, t.arrivals[1:]):
+            itl += [(now - prev) * 1e3 / n] * n
+    return {
+        "requests": len(traces),
+        "output_tokens": output_tokens,
+        "wall_s": wall_s,
+        "tokens_per_s": output_tokens / wall_s,
+        "requests_per_s": len(traces) / wall_s,
+        "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99),
+        "itl_p50_ms": _pct(itl, 50), "itl_p99_ms": _pct(itl, 99),
+        "itl_mean_ms": float(np.mean(itl)) if itl else None,
+    }
+
+
+# -- memory-bandwidth floor ----------------------------------------------------------------
+
+
+def copy_bandwidth(nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s of a numpy copy (bytes read + bytes written), best of `repeats`."""
+    src = np.ones(nbytes // 8, dtype=np.float64)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.nbytes / best
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter at its dtype. parameters() yields a shared (tied) tensor once."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# -- the benchmark -------------------------------------------------------------------------
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=not enabled, leave=False)
+
+
+def encode_prompts(engine: Engine, prompts: list[str]) -> list[list[int]]:
+    """Raw prompt text → ids (no chat template); refuse prompts that leave no room to generate."""
+    ids = [engine.encode(p) for p in prompts]
+    for i, p in enumerate(ids):
+        if len(p) >= engine.max_model_len:
+            raise RequestError(f"prompt {i + 1}", f"{len(p)} tokens does not fit the context of "
+                                                  f"{engine.max_model_len} tokens")
+    return ids
+
+
+def bench_variant(engine: Engine, prompt_ids: list[list[int]], max_tokens: int,
+                  concurrencies: list[int], label: str, progress: bool = True) -> list[dict]:
+    """One engine, every concurrency: metrics and per-prompt outputs per concurrency."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=False)
+    # Warm-up: first-call costs (allocator, kernels, lazy imports) stay out of the timings.
+    engine.generate([prompt_ids[0]], SamplingParams(max_tokens=4))
+    client = EngineClient(engine)
+    runs = []
+    for c in concurrencies:
+        with _progress(len(prompt_ids), f"{label} c={c}", progress) as bar:
+            traces, wall = drive(client, prompt_ids, params, c, on_finish=bar.update)
+        runs.append({"concurrency": c, **summarize(traces, wall),
+                     "outputs": [{"token_ids": t.token_ids, "finish_reason": t.finish_reason}
+                                 for t in traces]})
+    return runs
+
+
+def compare_outputs(ours: list[list[int]], ref: list[list[int]]) -> dict:
+    """Token-for-token agreement, truncated to the shorter output (one may have hit EOS)."""
+    prefixes, identical = [], 0
+    for a, b in zip(ours, ref):
+        n = min(len(a), len(b))
+        common = next((i for i in range(n) if a[i] != b[i]), n)
+        prefixes.append(common)
+        identical += common == n
+    return {"identical": identical, "compared": len(prefixes), "common_prefix": prefixes}
+
+
+def run_bench(variants: list[tuple[str, EngineConfig]], prompts: list[str], max_tokens: int,
+              concurrencies: list[int], compare_hf: bool = False, progress: bool = True,
+              make_engine: Callable[[EngineConfig], Engine] = Engine) -> dict:
+    """Benchmark each (label, config) in turn; speedups are relative to the first variant.
+
+    The HF reference and the bandwidth efficiency use the first variant at the lowest
+    concurrency (1 unless the caller left it out).
+    """
+    base_c = min(concurrencies)
+    report: dict = {
+        "config": {"num_prompts": len(prompts), "max_tokens": max_tokens, "concurrency": concurrencies,
+                   "torch": torch.__version__, "threads": torch.get_num_threads(),
+                   "machine": platform.machine(), "cpus": os.cpu_count(),
+                   # Other processes on the cores make every timing here noisy; record it.
+                   "load_avg_1m": os.getloadavg()[0]},
+        "bandwidth": {"copy_bytes_per_s": copy_bandwidth(), "method": "numpy copy, 256 MB, best of 5"},
+        "variants": [],
+        "hf": None,
+    }
+    prompt_ids: list[list[int]] | None = None
+    model_dir = None
+    for label, config in variants:
+        # 1. build the engine and run every concurrency on it
+        engine = make_engine(config)
+        prompt_ids = prompt_ids or encode_prompts(engine, prompts)
+        runs = bench_variant(engine, prompt_ids, max_tokens, concurrencies, label, progress)
+        wbytes = weight_bytes(engine.model)
+        if model_dir is None:
+            model_dir = resolve_model_dir(config.model, progress=progress)  # cached: no reconversion
+        del engine  # free its weights and KV pool before the next variant loads
+        # 2. bandwidth floor for this variant's dtype
+        floor_ms = wbytes / report["bandwidth"]["copy_bytes_per_s"] * 1e3
+        measured = next(r for r in runs if r["concurrency"] == base_c)["itl_mean_ms"]
+        report["variants"].append({
+            "label": label, "engine_config": dataclasses.asdict(config), "runs": runs,
+            "weight_bytes": wbytes, "floor_ms_per_token": floor_ms,
+            "ms_per_token": measured, "bandwidth_efficiency": floor_ms / measured if measured else None,
+        })
+    # 3. speedup over the first variant, per concurrency
+    base = {r["concurrency"]: r["tokens_per_s"] for r in report["variants"][0]["runs"]}
+    for v in report["variants"]:
+        for r in v["runs"]:
+            r["speedup"] = r["tokens_per_s"] / base[r["concurrency"]]
+    report["config"]["prompt_tokens"] = [len(p) for p in prompt_ids or []]
+    # 4. transformers reference, batch 1, same ids and dtype as the first variant
+    if compare_hf:
+        from runtime.hf_reference import run_reference
+
+        first = report["variants"][0]
+        hf = run_reference(model_dir, first["engine_config"]["dtype"], prompt_ids, max_tokens, progress)
+        ours = next(r for r in first["runs"] if r["concurrency"] == base_c)
+        hf["ours_concurrency"] = base_c
+        hf["speed_ratio"] = ours["tokens_per_s"] / hf["tokens_per_s"]
+        hf.update(compare_outputs([o["token_ids"] for o in ours["outputs"]], hf["token_ids"]))
+        report["hf"] = hf
+    return report
+
+
+# -- output --------------------------------------------------------------------------------
+
+
+def _fmt(v, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(row, widths)))
+             for row in [header, *rows]]
+    return "\n".join(lines)
+
+
+def format_report(report: dict) -> str:
+    """The terminal table: one row per (variant, concurrency), then bandwidth and HF lines."""
+    header = ["spec", "conc", "reqs", "out tok", "wall s", "tok/s", "req/s", "TTFT p50 ms",
+              "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "speedup"]
+    rows = []
+    for v in report["variants"]:
+        for r in v["runs"]:
+            rows.append([v["label"], str(r["concurrency"]), str(r["requests"]), str(r["output_tokens"]),
+                         _fmt(r["wall_s"], ".2f"), _fmt(r["tokens_per_s"]), _fmt(r["requests_per_s"], ".2f"),
+                         _fmt(r["ttft_p50_ms"]), _fmt(r["ttft_p99_ms"]), _fmt(r["itl_p50_ms"]),
+                         _fmt(r["itl_p99_ms"]), _fmt(r["speedup"], ".2f") + "x"])
+    out = [_table(header, rows), ""]
+    bw = report["bandwidth"]["copy_bytes_per_s"]
+    c = min(report["config"]["concurrency"])
+    out.append(f"memory bandwidth: {bw / 1e9:.2f} GB/s ({report['bandwidth']['method']})")
+    for v in report["variants"]:
+        out.append(f"[{v['label']}] weights {v['weight_bytes'] / 1e6:.1f} MB/token "
+                   f"({v['engine_config']['dtype']}) -> floor {v['floor_ms_per_token']:.2f} ms/token; "
+                   f"measured {_fmt(v['ms_per_token'], '.2f')} ms/token (mean ITL, c={c}); "
+                   f"bandwidth efficiency {_fmt(v['bandwidth_efficiency'], '.2f')}")
+    cfg = report["config"]
+    if cfg["load_avg_1m"] > 0.5 * (cfg["cpus"] or 1):
+        out.append(f"note: load average {cfg['load_avg_1m']:.1f} on {cfg['cpus']} CPUs at the start: "
+                   f"other processes compete for the cores, timings are noisy")
+    hf = report.get("hf")
+    if hf:
+        out.append(f"HF transformers ({hf['dtype']}, batch 1): {hf['tokens_per_s']:.1f} tok/s; "
+                   f"ours/HF at c={hf['ours_concurrency']}: {hf['speed_ratio']:.2f}x; identical outputs "
+                   f"{hf['identical']}/{hf['compared']} (common prefix per prompt: "
+                   f"{' '.join(map(str, hf['common_prefix']))})")
+    return "\n".join(out)
+
+
+def write_report(report: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")

@@ -1,0 +1,228 @@
+"""The `overlap` command line.
+
+    overlap generate "The capital of France is" --max-tokens 8
+    overlap generate "Write a haiku about the sea" --chat --temperature 0.7 --seed 1
+    overlap bench --prompts prompts/dev.jsonl --num-prompts 4 --concurrency 1 4 --compare-hf
+    overlap convert [MODEL.gguf] [--out DIR]
+
+Bad input (an empty prompt, --max-tokens 0, a missing model or prompts file, a prompt longer
+than the context) ends with one line `overlap: error: ...` on stderr and exit code 2, never a
+traceback: the user needs to know what to fix, not where the check lives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from overlap.config import EngineConfig, load_config
+from overlap.models.loading import ModelNotFoundError
+from runtime.messages import RequestError, SamplingParams
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors as one line (its default adds the usage block)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"overlap: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+# -- arguments -----------------------------------------------------------------------------
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", metavar="PATH", help="GGUF file or HF model directory (default: the shipped model)")
+    g.add_argument("--config", metavar="FILE", help="engine config TOML (configs/NAME.toml); flags override it")
+    g.add_argument("--dtype", choices=("bfloat16", "float32"), help="weight/activation dtype (default: bfloat16)")
+    g.add_argument("--page-size", type=_positive_int, metavar="N", help="tokens per KV page")
+    g.add_argument("--num-pages", type=_positive_int, metavar="N", help="KV pages in the cache")
+    g.add_argument("--max-num-seqs", type=_positive_int, metavar="N", help="sequences per batch")
+    g.add_argument("--max-batched-tokens", type=_positive_int, metavar="N", help="tokens per step")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="overlap", description="Speculative-decoding LLM inference runtime.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    gen.add_argument("prompt", metavar="PROMPT")
+    gen.add_argument("--max-tokens", type=int, default=128, metavar="N")
+    gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    gen.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
+    gen.add_argument("--seed", type=int, metavar="S")
+    gen.add_argument("--stop", nargs="+", action="extend", default=[], metavar="STR",
+                     help="stop strings (not included in the output)")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object {text, token_ids, finish_reason, stats} instead of streaming")
+    _add_engine_options(gen)
+
+    bench = sub.add_parser("bench", help="throughput/latency benchmark over a JSONL prompt file")
+    bench.add_argument("--prompts", required=True, metavar="FILE.jsonl",
+                       help="one JSON object per line with a \"prompt\" field, used raw")
+    bench.add_argument("--max-tokens", type=int, default=128, metavar="N")
+    bench.add_argument("--concurrency", type=_positive_int, nargs="+", default=[1], metavar="C",
+                       help="requests kept in flight; several values run one after another")
+    bench.add_argument("--num-prompts", type=_positive_int, metavar="N", help="use the first N prompts")
+    bench.add_argument("--json", metavar="OUT", help="write the full report as JSON to OUT")
+    bench.add_argument("--compare-hf", action="store_true",
+                       help="also run transformers (batch 1) and compare speed and outputs")
+    _add_engine_options(bench)
+
+    conv = sub.add_parser("convert", help="convert a GGUF into an HF-style directory (cached)")
+    conv.add_argument("gguf", nargs="?", metavar="GGUF", help="default: the shipped model")
+    conv.add_argument("--out", metavar="DIR", help="default: the conversion cache directory")
+    return parser
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """Config file (or defaults), then each flag the user gave on top."""
+    if args.config:
+        if not Path(args.config).is_file():
+            raise FileNotFoundError(f"config file {args.config} does not exist")
+        config = load_config(args.config)
+    else:
+        config = EngineConfig()
+
+    def given(**kw):
+        return {k: v for k, v in kw.items() if v is not None}
+
+    return dataclasses.replace(
+        config,
+        **given(model=args.model, dtype=args.dtype),
+        cache=dataclasses.replace(config.cache, **given(page_size=args.page_size, num_pages=args.num_pages)),
+        scheduler=dataclasses.replace(config.scheduler, **given(
+            max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens)),
+    )
+
+
+def make_engine(config: EngineConfig):
+    """The one place the CLI builds an engine (tests substitute a cached one)."""
+    from runtime.engine import Engine
+
+    return Engine(config, progress=True)
+
+
+# -- commands ------------------------------------------------------------------------------
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    # 1. check the request before paying for the model load
+    if not args.prompt:
+        raise RequestError("prompt", "is empty")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=list(args.stop))
+    params.validate()
+    engine = make_engine(engine_config(args))
+    # 2. one JSON object at the end ...
+    if args.json:
+        result = engine.generate([args.prompt], params, chat=args.chat)[0]
+        stats = dict(result.stats)
+        if stats.get("latency_s"):
+            stats["tokens_per_s"] = stats["output_tokens"] / stats["latency_s"]
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids,
+                          "finish_reason": result.finish_reason, "stats": stats}))
+        return 0
+    # 3. ... or stream each delta as it arrives
+    start, first, tokens, finish, last = time.perf_counter(), None, 0, None, "\n"
+    for delta in engine.stream(args.prompt, params, chat=args.chat):
+        if delta.token_ids and first is None:
+            first = time.perf_counter()
+        tokens += len(delta.token_ids)
+        finish = delta.finish_reason
+        if delta.text:
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            last = delta.text
+    if not last.endswith("\n"):
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    elapsed = time.perf_counter() - start
+    ttft = f", TTFT {(first - start) * 1e3:.0f} ms" if first else ""
+    print(f"[{tokens} tokens in {elapsed:.2f} s, {tokens / elapsed:.1f} tok/s{ttft}, finish: {finish}]",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from runtime.bench import format_report, load_prompts, run_bench, write_report
+
+    if args.max_tokens <= 0:
+        raise RequestError("max_tokens", f"must be > 0, got {args.max_tokens}")
+    prompts = load_prompts(args.prompts, args.num_prompts)
+    config = engine_config(args)
+    # One variant today; `--spec MODE ...` will add one (label, config) per mode.
+    variants = [(config.spec.method, config)]
+    report = run_bench(variants, prompts, args.max_tokens, args.concurrency, compare_hf=args.compare_hf,
+                       make_engine=make_engine)
+    print(format_report(report))
+    if args.json:
+        write_report(report, args.json)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from overlap.models.loading import cache_dir_for, convert_gguf, default_gguf_path
+
+    gguf = Path(args.gguf).expanduser() if args.gguf else default_gguf_path()
+    if not gguf.is_file():
+        raise ModelNotFoundError(f"GGUF file {gguf} does not exist")
+    if gguf.suffix.lower() != ".gguf":
+        raise ModelNotFoundError(f"{gguf} is not a .gguf file")
+    if args.out:
+        out = Path(args.out).expanduser()
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ValueError(f"--out {out} already exists and is not an empty directory")
+    else:
+        out = cache_dir_for(gguf)
+        if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+            print(out)  # already converted: the cache key covers the file's size and mtime
+            return 0
+    print(convert_gguf(gguf, out, progress=True))
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "convert": cmd_convert}
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, already reported)
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    try:
+        return COMMANDS[args.command](args)
+    except (RequestError, ModelNotFoundError, ValueError, FileNotFoundError) as e:
+        message = " ".join(str(e).splitlines())
+        print(f"overlap: error: {message}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("overlap: interrupted", file=sys.stderr)
+        return 130
+
+
+def main_entry() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    main_entry()
