@@ -123,12 +123,19 @@ def config_from_dict(raw: dict) -> EngineConfig:
     return EngineConfig(**values)
 
 
+def default_draft_dir() -> Path:
+    """The distilled draft shipped for the default model (built by tools/distill_draft.py)."""
+    return Path(__file__).parent / "assets" / "smollm2-135m-draft"
+
+
 def load_config(path: str | Path) -> EngineConfig:
     path = Path(path)
     with path.open("rb") as f:
         raw = tomllib.load(f)
-    # Relative model paths in a config are relative to the repo root the config lives in.
-    for key in ("model",):
-        if raw.get(key) and not Path(raw[key]).is_absolute():
-            raw[key] = str((path.parent.parent / raw[key]).resolve())
+    # Relative model paths in a config are relative to the repo root it lives in (configs/..),
+    # so a config means the same files whatever directory the command runs from.
+    root = path.resolve().parent.parent
+    for section, key in ((raw, "model"), (raw.get("spec", {}), "draft_model")):
+        if section.get(key) and not Path(section[key]).is_absolute():
+            section[key] = str((root / section[key]).resolve())
     return config_from_dict(raw)

@@ -21,7 +21,7 @@ from overlap.batch import BatchPlan, SeqOutput, SeqWork, StepOutput
 from overlap.kv import KVPool
 from overlap.models.llama import LlamaModel
 from overlap.sampling import SamplingTensors, probabilities, sample
-from overlap.spec.base import CatchUp, Proposer
+from overlap.spec.base import CatchUp, Proposal, Proposer
 from overlap.spec.rejection import verify_chain
 
 
@@ -36,6 +36,7 @@ class PreparedStep:
     sampled: list[SeqWork]  # sequences that produce tokens, in logits_rows order
     sampling: SamplingTensors | None
     spec_ks: list[int] | None  # drafts per sequence on a speculative step, else None
+    proposal: Proposal | None  # made on the host during prepare (host drafters)
 
 
 @dataclass
@@ -67,22 +68,32 @@ class Executor:
     def prepare(self, plan: BatchPlan) -> PreparedStep:
         if self.proposer is not None and plan.freed_seq_ids:
             self.proposer.release(plan.freed_seq_ids)
+        sampled = [s for s in plan.seqs if s.sample]
+        dev = self.device
+        sampling = SamplingTensors.from_seqs(sampled, dev) if sampled else None
         spec = self.proposer is not None and plan.is_decode_only and any(s.num_spec_tokens for s in plan.seqs)
+        ks = [s.num_spec_tokens for s in plan.seqs] if spec else [0] * len(plan.seqs)
+        proposal = None
+        if spec and self.proposer.on_host:
+            # Host drafters (n-gram) propose now, so the verify pass is sized to the drafts
+            # they actually found, and a step where none are found is a plain decode.
+            proposal = self.proposer.propose(plan.seqs, ks, sampling)
+            ks = proposal.num_drafts
+            spec = any(ks)
         ids: list[int] = []
         positions: list[int] = []
         attn: list[SeqAttention] = []
         rows: list[int] = []
-        for s in plan.seqs:
+        for i, s in enumerate(plan.seqs):
             # On a speculative step each sequence's verify rows are [last token, drafts...];
-            # the drafts are filled in on the device by launch().
-            q_len = len(s.token_ids) + (s.num_spec_tokens if spec else 0)
-            ids += s.token_ids + [0] * (q_len - len(s.token_ids))
+            # device drafters' tokens are filled in by launch().
+            drafts = proposal.tokens[i, : ks[i]].tolist() if proposal is not None else [0] * ks[i]
+            q_len = len(s.token_ids) + ks[i]
+            ids += s.token_ids + drafts
             positions += range(s.start_pos, s.start_pos + q_len)
             attn.append(SeqAttention(q_len=q_len, kv_len=s.start_pos + q_len, page_table=s.page_table))
             if s.sample:
                 rows += range(len(ids) - q_len, len(ids)) if spec else [len(ids) - 1]
-        sampled = [s for s in plan.seqs if s.sample]
-        dev = self.device
         return PreparedStep(
             plan=plan,
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
@@ -91,8 +102,9 @@ class Executor:
             meta=self.backend.plan(attn, self.kv.page_size, *self._attn_dims),
             logits_rows=torch.tensor(rows, dtype=torch.long, device=dev),
             sampled=sampled,
-            sampling=SamplingTensors.from_seqs(sampled, dev) if sampled else None,
-            spec_ks=[s.num_spec_tokens for s in plan.seqs] if spec else None,
+            sampling=sampling,
+            spec_ks=ks if spec else None,
+            proposal=proposal if spec else None,
         )
 
     # 2. device work
@@ -109,21 +121,22 @@ class Executor:
     def _launch_speculative(self, step: PreparedStep) -> LaunchedStep:
         seqs, ks, st = step.sampled, step.spec_ks, step.sampling
         b, dev = len(seqs), self.device
-        # Stage 2: draft.
-        proposal = self.proposer.propose(seqs, ks, st)
+        # Stage 2: draft (host drafters already did, in prepare).
+        proposal = step.proposal or self.proposer.propose(seqs, ks, st)
         width = proposal.tokens.shape[1]
-        # Rows of the flat verify batch that hold drafts, and where they go in [B, K+1].
-        flat_draft, flat_all, padded_all, padded_draft = [], [], [], []
+        # Where each row of the flat verify batch goes in the padded [B, K+1] layout.
+        flat_draft, padded_all, padded_draft = [], [], []
         row = 0
         for i, k in enumerate(ks):
             flat_draft += range(row + 1, row + 1 + k)
             padded_draft += range(i * width, i * width + k)
-            flat_all += range(row, row + k + 1)
             padded_all += range(i * (width + 1), i * (width + 1) + k + 1)
             row += k + 1
-        ids = step.input_ids.clone()
-        ids[torch.tensor(flat_draft, dtype=torch.long, device=dev)] = \
-            proposal.tokens.view(-1)[torch.tensor(padded_draft, dtype=torch.long, device=dev)]
+        ids = step.input_ids
+        if step.proposal is None:
+            ids = ids.clone()
+            ids[torch.tensor(flat_draft, dtype=torch.long, device=dev)] = \
+                proposal.tokens.view(-1)[torch.tensor(padded_draft, dtype=torch.long, device=dev)]
         # Stage 3: verify all drafts in one target pass (q_len = k+1 per sequence).
         _, logits = self.model(ids, step.positions, self.backend, self.kv, step.meta, step.logits_rows)
         padded = torch.zeros(b * (width + 1), logits.shape[-1], device=dev)
@@ -157,18 +170,17 @@ class Executor:
         """Feed the drafter the tokens it has not seen: prompt chunks and produced tokens."""
         if self.proposer is None:
             return
-        spec = plan.is_decode_only and any(s.num_spec_tokens for s in plan.seqs)
         updates = []
         for s, out in zip(plan.seqs, output.seqs):
             if not s.draft:
                 continue
             known = s.token_ids + out.token_ids  # from position s.start_pos on
             skip = 0
-            if spec and s.num_spec_tokens:
+            if out.num_drafts:
                 # The drafter ran its own drafts 1..k-1 through its KV while proposing; the
                 # accepted ones are valid there. Feed from the first token it has not run:
                 # the recovered token, or the last draft (if all were accepted) + the bonus.
-                skip = 1 + min(out.num_accepted, s.num_spec_tokens - 1)
+                skip = 1 + min(out.num_accepted, out.num_drafts - 1)
             # Elsewhere the step's input token is fed again (an identical KV rewrite) so that
             # prefill chunks, plain decodes and recomputes after preemption share one rule.
             updates.append(CatchUp(s.seq_id, s.start_pos + skip, known[skip:], s.page_table))

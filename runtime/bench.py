@@ -1,7 +1,9 @@
 """`overlap bench`: throughput and latency of one or more engine variants on a prompt file.
 
     prompts = load_prompts("prompts/dev.jsonl", limit=4)
-    report = run_bench([("none", EngineConfig())], prompts, max_tokens=32, concurrencies=[1, 4])
+    spec = lambda m: EngineConfig(spec=SpecConfig(method=m))
+    report = run_bench([("none", spec("none")), ("ngram", spec("ngram"))], prompts, max_tokens=32,
+                       concurrencies=[1, 4])
     print(format_report(report))
 
 Per variant and concurrency C, `drive` keeps C requests in flight (a new one is submitted
@@ -14,6 +16,14 @@ Metrics (per variant and concurrency):
 - TTFT: submission → first delta carrying tokens (queueing included).
 - inter-token latency (ITL): per request, the gap between consecutive deltas that carried
   tokens; a delta with n tokens (speculation) counts as n gaps of gap/n each.
+- speedup: tokens/s over the first variant's at the same concurrency, measured in this run.
+- acceptance length (vLLM's definition): 1 + accepted draft tokens / draft steps, summed over
+  all requests; per-position acceptance: accepted / drafted at draft position i, summed over
+  requests (a request with fewer positions counts only where it has them).
+- identical outputs: each variant's token ids against the first variant's at the same
+  concurrency. Greedy speculative decoding is lossless, so anything short of N/N is a bug.
+- by prompt kind (when the JSONL lines carry "kind"): acceptance length and decode tokens/s
+  per request (tokens after the first delta / time from first to last delta), averaged.
 The bandwidth floor is the time to read every weight once per decode step at the
 machine's measured copy bandwidth; efficiency = floor / measured ms per token (mean ITL at
 the lowest concurrency, prefill excluded).
@@ -44,8 +54,15 @@ from runtime.messages import RequestError, SamplingParams
 # -- prompts -------------------------------------------------------------------------------
 
 
-def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
-    """The "prompt" field of each JSONL line (blank lines skipped), the first `limit` of them."""
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    kind: str | None = None  # e.g. "code", "chat": the report splits acceptance by it
+
+
+def load_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
+    """The "prompt" (and optional "kind") field of each JSONL line (blank lines skipped), the
+    first `limit` of them."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompts file {path} does not exist")
@@ -62,7 +79,8 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
             if not isinstance(prompt, str) or not prompt:
                 raise ValueError(f"prompts file {path} line {lineno}: expected an object with a "
                                  f"non-empty string field \"prompt\"")
-            prompts.append(prompt)
+            kind = obj.get("kind")
+            prompts.append(Prompt(prompt, None if kind is None else str(kind)))
             if limit is not None and len(prompts) >= limit:
                 break
     if not prompts:
@@ -74,6 +92,9 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
 
 
 class StreamClient(Protocol):
+    """May also offer `stats(request_id) -> dict | None`: a finished request's engine stats
+    (RequestStats.as_dict), which carry the speculation counters."""
+
     def add(self, prompt_ids: list[int], params: SamplingParams) -> str: ...
 
     def step(self) -> list[Delta]: ...
@@ -84,6 +105,7 @@ class EngineClient:
 
     def __init__(self, engine: Engine):
         self.engine = engine
+        self.finished: dict[str, dict] = {}  # request id -> stats, until drive() collects them
 
     def add(self, prompt_ids: list[int], params: SamplingParams) -> str:
         return self.engine.add_request(prompt_ids, params)
@@ -95,8 +117,11 @@ class EngineClient:
         for d in deltas:
             if d.finish_reason:
                 # Drop the engine's record (and its queued deltas): we keep our own trace.
-                self.engine.pop_result(d.request_id)
+                self.finished[d.request_id] = self.engine.pop_result(d.request_id).stats
         return deltas
+
+    def stats(self, request_id: str) -> dict | None:
+        return self.finished.pop(request_id, None)
 
 
 @dataclass
@@ -107,12 +132,14 @@ class Trace:
     token_ids: list[int] = field(default_factory=list)
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) per delta with tokens
     finish_reason: str | None = None
+    stats: dict | None = None  # the engine's per-request stats, where the client offers them
 
 
 def drive(client: StreamClient, prompts: Sequence[list[int]], params: SamplingParams,
           concurrency: int, on_finish: Callable[[], None] = lambda: None) -> tuple[list[Trace], float]:
     """Run every prompt with `concurrency` requests in flight; returns the traces and wall time."""
     traces = [Trace() for _ in prompts]
+    stats_of = getattr(client, "stats", None)
     in_flight: dict[str, Trace] = {}
     next_prompt, done = 0, 0
     start = time.perf_counter()
@@ -133,6 +160,7 @@ def drive(client: StreamClient, prompts: Sequence[list[int]], params: SamplingPa
                 trace.arrivals.append((now, len(d.token_ids)))
             if d.finish_reason:
                 trace.finish_reason = d.finish_reason
+                trace.stats = stats_of(d.request_id) if stats_of else None
                 del in_flight[d.request_id]
                 done += 1
                 on_finish()
@@ -161,6 +189,51 @@ def summarize(traces: list[Trace], wall_s: float) -> dict:
         "itl_p50_ms": _pct(itl, 50), "itl_p99_ms": _pct(itl, 99),
         "itl_mean_ms": float(np.mean(itl)) if itl else None,
     }
+
+
+def decode_tokens_per_s(trace: Trace) -> float | None:
+    """One request's decode rate: tokens after the first delta / first-to-last delta time."""
+    if len(trace.arrivals) < 2:
+        return None
+    (first, n_first), (last, _) = trace.arrivals[0], trace.arrivals[-1]
+    return (len(trace.token_ids) - n_first) / (last - first) if last > first else None
+
+
+def acceptance(stats: list[dict | None]) -> dict:
+    """Speculation counters summed over requests (RequestStats.as_dict of each)."""
+    stats = [s for s in stats if s]
+    drafts = sum(s.get("drafts", 0) for s in stats)
+    accepted = sum(s.get("accepted_tokens", 0) for s in stats)
+    drafted_at: list[int] = []
+    accepted_at: list[int] = []
+    for s in stats:
+        for i, (d, a) in enumerate(zip(s.get("drafted_per_position", []), s.get("accepted_per_position", []))):
+            if i == len(drafted_at):
+                drafted_at.append(0)
+                accepted_at.append(0)
+            drafted_at[i] += d
+            accepted_at[i] += a
+    return {
+        "drafts": drafts,
+        "draft_tokens": sum(s.get("draft_tokens", 0) for s in stats),
+        "accepted_tokens": accepted,
+        "acceptance_length": 1 + accepted / drafts if drafts else None,
+        "acceptance_per_position": [a / d for a, d in zip(accepted_at, drafted_at) if d],
+    }
+
+
+def by_kind(traces: list[Trace], kinds: list[str | None]) -> dict | None:
+    """Acceptance length and mean per-request decode tokens/s for each prompt kind."""
+    if all(k is None for k in kinds):
+        return None
+    out = {}
+    for kind in dict.fromkeys(kinds):
+        mine = [t for t, k in zip(traces, kinds) if k == kind]
+        rates = [r for r in map(decode_tokens_per_s, mine) if r is not None]
+        out[str(kind)] = {"requests": len(mine),
+                          "acceptance_length": acceptance([t.stats for t in mine])["acceptance_length"],
+                          "decode_tokens_per_s": float(np.mean(rates)) if rates else None}
+    return out
 
 
 # -- memory-bandwidth floor ----------------------------------------------------------------
@@ -192,9 +265,9 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=not enabled, leave=False)
 
 
-def encode_prompts(engine: Engine, prompts: list[str]) -> list[list[int]]:
+def encode_prompts(engine: Engine, prompts: list[Prompt]) -> list[list[int]]:
     """Raw prompt text → ids (no chat template); refuse prompts that leave no room to generate."""
-    ids = [engine.encode(p) for p in prompts]
+    ids = [engine.encode(p.text) for p in prompts]
     for i, p in enumerate(ids):
         if len(p) >= engine.max_model_len:
             raise RequestError(f"prompt {i + 1}", f"{len(p)} tokens does not fit the context of "
@@ -203,8 +276,10 @@ def encode_prompts(engine: Engine, prompts: list[str]) -> list[list[int]]:
 
 
 def bench_variant(engine: Engine, prompt_ids: list[list[int]], max_tokens: int,
-                  concurrencies: list[int], label: str, progress: bool = True) -> list[dict]:
+                  concurrencies: list[int], label: str, progress: bool = True,
+                  kinds: list[str | None] | None = None) -> list[dict]:
     """One engine, every concurrency: metrics and per-prompt outputs per concurrency."""
+    kinds = kinds or [None] * len(prompt_ids)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=False)
     # Warm-up: first-call costs (allocator, kernels, lazy imports) stay out of the timings.
     engine.generate([prompt_ids[0]], SamplingParams(max_tokens=4))
@@ -213,38 +288,45 @@ def bench_variant(engine: Engine, prompt_ids: list[list[int]], max_tokens: int,
     for c in concurrencies:
         with _progress(len(prompt_ids), f"{label} c={c}", progress) as bar:
             traces, wall = drive(client, prompt_ids, params, c, on_finish=bar.update)
+        rates = [r for r in map(decode_tokens_per_s, traces) if r is not None]
         runs.append({"concurrency": c, **summarize(traces, wall),
-                     "outputs": [{"token_ids": t.token_ids, "finish_reason": t.finish_reason}
-                                 for t in traces]})
+                     "decode_tokens_per_s": float(np.mean(rates)) if rates else None,
+                     **acceptance([t.stats for t in traces]), "by_kind": by_kind(traces, kinds),
+                     "outputs": [{"kind": k, "token_ids": t.token_ids, "finish_reason": t.finish_reason,
+                                  "stats": t.stats} for t, k in zip(traces, kinds)]})
     return runs
 
 
-def compare_outputs(ours: list[list[int]], ref: list[list[int]]) -> dict:
-    """Token-for-token agreement, truncated to the shorter output (one may have hit EOS)."""
+def compare_outputs(ours: list[list[int]], ref: list[list[int]], exact: bool = False) -> dict:
+    """Token-for-token agreement, truncated to the shorter output (one may have hit EOS);
+    `exact`: the lengths must match too (two runs of the same model and stopping rules)."""
     prefixes, identical = [], 0
     for a, b in zip(ours, ref):
         n = min(len(a), len(b))
         common = next((i for i in range(n) if a[i] != b[i]), n)
         prefixes.append(common)
-        identical += common == n
+        identical += (a == b) if exact else common == n
     return {"identical": identical, "compared": len(prefixes), "common_prefix": prefixes}
 
 
-def run_bench(variants: list[tuple[str, EngineConfig]], prompts: list[str], max_tokens: int,
+def run_bench(variants: list[tuple[str, EngineConfig]], prompts: list[str | Prompt], max_tokens: int,
               concurrencies: list[int], compare_hf: bool = False, progress: bool = True,
               make_engine: Callable[[EngineConfig], Engine] = Engine) -> dict:
-    """Benchmark each (label, config) in turn; speedups are relative to the first variant.
+    """Benchmark each (label, config) in turn; speedups and identical outputs are relative to
+    the first variant.
 
     The HF reference and the bandwidth efficiency use the first variant at the lowest
     concurrency (1 unless the caller left it out).
     """
+    prompts = [p if isinstance(p, Prompt) else Prompt(p) for p in prompts]
+    kinds = [p.kind for p in prompts]
     base_c = min(concurrencies)
     report: dict = {
         "config": {"num_prompts": len(prompts), "max_tokens": max_tokens, "concurrency": concurrencies,
                    "torch": torch.__version__, "threads": torch.get_num_threads(),
                    "machine": platform.machine(), "cpus": os.cpu_count(),
                    # Other processes on the cores make every timing here noisy; record it.
-                   "load_avg_1m": os.getloadavg()[0]},
+                   "load_avg_1m": os.getloadavg()[0], "prompt_kinds": kinds},
         "bandwidth": {"copy_bytes_per_s": copy_bandwidth(), "method": "numpy copy, 256 MB, best of 5"},
         "variants": [],
         "hf": None,
@@ -255,7 +337,7 @@ def run_bench(variants: list[tuple[str, EngineConfig]], prompts: list[str], max_
         # 1. build the engine and run every concurrency on it
         engine = make_engine(config)
         prompt_ids = prompt_ids or encode_prompts(engine, prompts)
-        runs = bench_variant(engine, prompt_ids, max_tokens, concurrencies, label, progress)
+        runs = bench_variant(engine, prompt_ids, max_tokens, concurrencies, label, progress, kinds)
         wbytes = weight_bytes(engine.model)
         if model_dir is None:
             model_dir = resolve_model_dir(config.model, progress=progress)  # cached: no reconversion
@@ -268,11 +350,14 @@ def run_bench(variants: list[tuple[str, EngineConfig]], prompts: list[str], max_
             "weight_bytes": wbytes, "floor_ms_per_token": floor_ms,
             "ms_per_token": measured, "bandwidth_efficiency": floor_ms / measured if measured else None,
         })
-    # 3. speedup over the first variant, per concurrency
-    base = {r["concurrency"]: r["tokens_per_s"] for r in report["variants"][0]["runs"]}
-    for v in report["variants"]:
+    # 3. speedup and output agreement against the first variant, per concurrency
+    base = {r["concurrency"]: r for r in report["variants"][0]["runs"]}
+    for i, v in enumerate(report["variants"]):
         for r in v["runs"]:
-            r["speedup"] = r["tokens_per_s"] / base[r["concurrency"]]
+            ref = base[r["concurrency"]]
+            r["speedup"] = r["tokens_per_s"] / ref["tokens_per_s"]
+            r["vs_baseline"] = None if i == 0 else compare_outputs(
+                [o["token_ids"] for o in r["outputs"]], [o["token_ids"] for o in ref["outputs"]], exact=True)
     report["config"]["prompt_tokens"] = [len(p) for p in prompt_ids or []]
     # 4. transformers reference, batch 1, same ids and dtype as the first variant
     if compare_hf:
@@ -305,15 +390,29 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 def format_report(report: dict) -> str:
     """The terminal table: one row per (variant, concurrency), then bandwidth and HF lines."""
     header = ["spec", "conc", "reqs", "out tok", "wall s", "tok/s", "req/s", "TTFT p50 ms",
-              "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "speedup"]
-    rows = []
+              "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "speedup", "acc len", "acc/pos", "identical"]
+    rows, kind_lines = [], []
     for v in report["variants"]:
         for r in v["runs"]:
+            same = r.get("vs_baseline")
             rows.append([v["label"], str(r["concurrency"]), str(r["requests"]), str(r["output_tokens"]),
                          _fmt(r["wall_s"], ".2f"), _fmt(r["tokens_per_s"]), _fmt(r["requests_per_s"], ".2f"),
                          _fmt(r["ttft_p50_ms"]), _fmt(r["ttft_p99_ms"]), _fmt(r["itl_p50_ms"]),
-                         _fmt(r["itl_p99_ms"]), _fmt(r["speedup"], ".2f") + "x"])
-    out = [_table(header, rows), ""]
+                         _fmt(r["itl_p99_ms"]), _fmt(r["speedup"], ".2f") + "x",
+                         _fmt(r.get("acceptance_length"), ".2f"),
+                         " ".join(f"{x:.2f}" for x in r.get("acceptance_per_position") or []) or "-",
+                         f"{same['identical']}/{same['compared']}" if same else "-"])
+            if r.get("by_kind"):
+                kind_lines.append(f"  {v['label']} c={r['concurrency']}: " + " | ".join(
+                    f"{k} (n={m['requests']}) acc len {_fmt(m['acceptance_length'], '.2f')}, "
+                    f"decode {_fmt(m['decode_tokens_per_s'])} tok/s" for k, m in r["by_kind"].items()))
+    out = [_table(header, rows)]
+    if len(report["variants"]) > 1:
+        out.append(f"identical: token ids equal to {report['variants'][0]['label']}'s at the same "
+                   f"concurrency (greedy speculation must match exactly)")
+    if kind_lines:
+        out += ["by prompt kind (per-request decode tok/s, averaged):", *kind_lines]
+    out.append("")
     bw = report["bandwidth"]["copy_bytes_per_s"]
     c = min(report["config"]["concurrency"])
     out.append(f"memory bandwidth: {bw / 1e9:.2f} GB/s ({report['bandwidth']['method']})")

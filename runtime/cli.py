@@ -2,7 +2,9 @@
 
     overlap generate "The capital of France is" --max-tokens 8
     overlap generate "Write a haiku about the sea" --chat --temperature 0.7 --seed 1
+    overlap generate "def fib(n):" --spec ngram --num-spec-tokens 4 --json
     overlap bench --prompts prompts/dev.jsonl --num-prompts 4 --concurrency 1 4 --compare-hf
+    overlap bench --prompts prompts/dev.jsonl --spec none draft ngram --num-spec-tokens 4
     overlap convert [MODEL.gguf] [--out DIR]
 
 Bad input (an empty prompt, --max-tokens 0, a missing model or prompts file, a prompt longer
@@ -19,11 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-from overlap.config import EngineConfig, load_config
-from overlap.models.loading import ModelNotFoundError
+from overlap.config import EngineConfig, default_draft_dir, load_config
+from overlap.models.loading import ModelNotFoundError, default_gguf_path
 from runtime.messages import RequestError, SamplingParams
 
 EXIT_USAGE = 2
+SPEC_METHODS = ("none", "draft", "ngram")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,6 +58,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-pages", type=_positive_int, metavar="N", help="KV pages in the cache")
     g.add_argument("--max-num-seqs", type=_positive_int, metavar="N", help="sequences per batch")
     g.add_argument("--max-batched-tokens", type=_positive_int, metavar="N", help="tokens per step")
+    g.add_argument("--num-spec-tokens", type=_positive_int, metavar="K", help="draft tokens per step (default: 4)")
+    g.add_argument("--draft-model", metavar="DIR",
+                   help="draft directory for --spec draft (default: the shipped draft of the default model)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,11 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object {text, token_ids, finish_reason, stats} instead of streaming")
+    gen.add_argument("--spec", choices=SPEC_METHODS, metavar="MODE",
+                     help="speculative decoding: none | draft | ngram (default: the config's, none)")
     _add_engine_options(gen)
 
     bench = sub.add_parser("bench", help="throughput/latency benchmark over a JSONL prompt file")
     bench.add_argument("--prompts", required=True, metavar="FILE.jsonl",
-                       help="one JSON object per line with a \"prompt\" field, used raw")
+                       help="one JSON object per line with a \"prompt\" field, used raw, and optionally "
+                            "a \"kind\" (code, chat, ...) that the report splits acceptance by")
     bench.add_argument("--max-tokens", type=int, default=128, metavar="N")
     bench.add_argument("--concurrency", type=_positive_int, nargs="+", default=[1], metavar="C",
                        help="requests kept in flight; several values run one after another")
@@ -85,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="OUT", help="write the full report as JSON to OUT")
     bench.add_argument("--compare-hf", action="store_true",
                        help="also run transformers (batch 1) and compare speed and outputs")
+    bench.add_argument("--spec", choices=SPEC_METHODS, nargs="+", metavar="MODE",
+                       help="speculative modes to compare, one engine each: none draft ngram "
+                            "(default: the config's, none); speedups are over the first (none if given)")
     _add_engine_options(bench)
 
     conv = sub.add_parser("convert", help="convert a GGUF into an HF-style directory (cached)")
@@ -93,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """Config file (or defaults), then each flag the user gave on top."""
+def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> EngineConfig:
+    """Config file (or defaults), then each flag the user gave on top; `spec_method` overrides
+    the config's speculative method (bench builds one config per mode)."""
     if args.config:
         if not Path(args.config).is_file():
             raise FileNotFoundError(f"config file {args.config} does not exist")
@@ -105,13 +118,43 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     def given(**kw):
         return {k: v for k, v in kw.items() if v is not None}
 
-    return dataclasses.replace(
+    config = dataclasses.replace(
         config,
         **given(model=args.model, dtype=args.dtype),
         cache=dataclasses.replace(config.cache, **given(page_size=args.page_size, num_pages=args.num_pages)),
         scheduler=dataclasses.replace(config.scheduler, **given(
             max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens)),
+        spec=dataclasses.replace(config.spec, **given(
+            method=spec_method, num_spec_tokens=args.num_spec_tokens, draft_model=args.draft_model)),
     )
+    if config.spec.method == "draft":
+        config = dataclasses.replace(config, spec=dataclasses.replace(
+            config.spec, draft_model=_draft_dir(config.model, config.spec.draft_model)))
+    return config
+
+
+def _is_default_model(model: str | None) -> bool:
+    if model is None:
+        return True
+    try:
+        return Path(model).expanduser().resolve() == default_gguf_path().resolve()
+    except ModelNotFoundError:  # the default package is not installed: `model` is not it
+        return False
+
+
+def _draft_dir(model: str | None, draft: str | None) -> str:
+    """The draft for --spec draft: the one asked for, else the shipped one (default model only).
+
+    Checked here, before any model loads, so a missing draft costs nothing to find out.
+    """
+    if draft is None and not _is_default_model(model):
+        raise ValueError("--spec draft needs --draft-model for a non-default model")
+    path = Path(draft).expanduser() if draft else default_draft_dir()
+    if not (path / "config.json").is_file():
+        if path.resolve() == default_draft_dir().resolve():  # also when a config names it
+            raise FileNotFoundError(f"the shipped draft is missing at {path}; train it with tools/distill_draft.py")
+        raise FileNotFoundError(f"draft model directory {path} does not exist or has no config.json")
+    return str(path)
 
 
 def make_engine(config: EngineConfig):
@@ -131,7 +174,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=list(args.stop))
     params.validate()
-    engine = make_engine(engine_config(args))
+    engine = make_engine(engine_config(args, args.spec))
     # 2. one JSON object at the end ...
     if args.json:
         result = engine.generate([args.prompt], params, chat=args.chat)[0]
@@ -168,9 +211,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.max_tokens <= 0:
         raise RequestError("max_tokens", f"must be > 0, got {args.max_tokens}")
     prompts = load_prompts(args.prompts, args.num_prompts)
-    config = engine_config(args)
-    # One variant today; `--spec MODE ...` will add one (label, config) per mode.
-    variants = [(config.spec.method, config)]
+    # One (label, config) per mode, in the order given but with "none" first: the first
+    # variant is the baseline for speedups and for the identical-outputs check.
+    modes = list(dict.fromkeys(args.spec or [engine_config(args).spec.method]))
+    modes.sort(key=lambda m: m != "none")
+    variants = [(mode, engine_config(args, mode)) for mode in modes]
     report = run_bench(variants, prompts, args.max_tokens, args.concurrency, compare_hf=args.compare_hf,
                        make_engine=make_engine)
     print(format_report(report))

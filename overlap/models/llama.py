@@ -17,7 +17,7 @@ from torch import nn
 from overlap.attention.base import AttentionBackend
 from overlap.config import ModelConfig
 from overlap.kv import KVPool
-from overlap.models.rope import RotaryTable
+from overlap.models.rope import RotaryTable, rotate
 
 # Rows per matmul call on the CPU in bf16. oneDNN's bf16 (AMX) kernels give every row the
 # same result for any M <= 32, so cutting larger batches into 32-row pieces makes a token's
@@ -77,14 +77,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 backend: AttentionBackend, kv: KVPool, meta: Any) -> torch.Tensor:
         t = x.shape[0]
-        # 1. attention: project, rotate, store the new K/V in their pages, attend.
-        q, k, v = linear(self.input_layernorm(x), self.qkv_proj, self.qkv_bias).split(self.split, -1)
-        q = rope.apply(q.view(t, self.num_heads, self.head_dim), positions)
-        k = rope.apply(k.view(t, self.num_kv_heads, self.head_dim), positions)
-        kv.write(self.index, meta.slots, k, v.view(t, self.num_kv_heads, self.head_dim))
+        # 1. attention: project, rotate q and k together, store the new K/V in their pages, attend.
+        qkv = linear(self.input_layernorm(x), self.qkv_proj, self.qkv_bias)
+        q_size, kv_size, _ = self.split
+        qk = rotate(qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        kv.write(self.index, meta.slots, k, v)
         attn = backend.run(self.index, q, kv, meta).view(t, -1)
         x = x + linear(attn, self.o_proj)
         # 2. SwiGLU MLP.
@@ -125,8 +127,9 @@ class LlamaModel(nn.Module):
         """input_ids, positions [T] i64 → (hidden [T, hidden] after the final norm,
         logits [len(logits_indices), vocab] f32 or None)."""
         x = self.embed_tokens[input_ids]
+        rope = self.rope.lookup(positions)
         for layer in self.layers:
-            x = layer(x, positions, self.rope, backend, kv, meta)
+            x = layer(x, rope, backend, kv, meta)
         hidden = self.norm(x)
         if logits_indices is None:
             return hidden, None

@@ -40,7 +40,7 @@ class CatchUp:
 
 class Proposer(Protocol):
     name: str
-    needs_kv: bool  # reserves a KV slot for the catch-up run past the last sampled token
+    on_host: bool  # proposes from host data alone (called while preparing the step)
 
     def propose(self, seqs: list[SeqWork], ks: list[int], sampling: SamplingTensors) -> Proposal: ...
 

@@ -46,7 +46,7 @@ class DraftModel:
 
 class DraftTargetProposer:
     name = "draft"
-    needs_kv = True
+    on_host = False
 
     def __init__(self, draft: DraftModel, backend: AttentionBackend, num_pages: int, page_size: int):
         self.draft = draft

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from overlap.config import default_draft_dir, load_config
 from runtime import bench, cli
 from runtime.engine import Delta
 
@@ -105,6 +106,14 @@ def test_generate_chat_and_stop(capsys):
     (["bench", "--prompts", "PROMPTS", "--max-tokens", "0"], "max_tokens"),
     (["bench", "--prompts", "PROMPTS", "--concurrency", "0"], "--concurrency"),
     (["convert", "/nonexistent/model.gguf"], "does not exist"),
+    (["generate", "x", "--spec", "eagle"], "--spec"),
+    (["bench", "--prompts", "PROMPTS", "--spec", "none", "bogus"], "--spec"),
+    (["generate", "x", "--num-spec-tokens", "0"], "--num-spec-tokens"),
+    (["generate", "x", "--spec", "draft", "--model", "/nonexistent/model.gguf"],
+     "--spec draft needs --draft-model for a non-default model"),
+    (["bench", "--prompts", "PROMPTS", "--spec", "none", "draft", "--model", "/some/other/model"],
+     "--spec draft needs --draft-model for a non-default model"),
+    (["generate", "x", "--spec", "draft", "--draft-model", "/nonexistent/draft"], "/nonexistent/draft"),
     ([], "COMMAND"),
 ])
 def test_bad_arguments_exit_2(argv, needle, prompts_file, capsys):
@@ -125,6 +134,17 @@ def test_bad_prompts_file_exit_2(tmp_path, bad, needle, capsys):
     path.write_text(json.dumps({"prompt": "ok"}) + "\n" + bad)
     rc = cli.main(["bench", "--prompts", str(path), "--max-tokens", "4"])
     assert_one_line_error(rc, capsys.readouterr().err, needle)
+
+
+@pytest.mark.parametrize("argv", [["generate", "x", "--spec", "draft"],
+                                  ["bench", "--prompts", "PROMPTS", "--spec", "none", "draft"],
+                                  ["generate", "x", "--draft-model", "MISSING", "--spec", "draft"]])
+def test_missing_shipped_draft_exit_2(argv, prompts_file, tmp_path, monkeypatch, capsys):
+    missing = tmp_path / "no-draft"
+    monkeypatch.setattr(cli, "default_draft_dir", lambda: missing)
+    rc = cli.main([{"PROMPTS": str(prompts_file), "MISSING": str(missing)}.get(a, a) for a in argv])
+    assert_one_line_error(rc, capsys.readouterr().err,
+                          f"the shipped draft is missing at {missing}; train it with tools/distill_draft.py")
 
 
 def test_bad_arguments_subprocess(tmp_path):
@@ -170,6 +190,38 @@ def test_bench_compare_hf_float32(prompts_file, tmp_path, capsys):
     assert hf["dtype"] == "float32" and hf["tokens_per_s"] > 0 and hf["speed_ratio"] > 0
     assert (hf["identical"], hf["compared"]) == (2, 2)
     assert hf["common_prefix"] == [len(ids) for ids in hf["token_ids"]]
+
+
+# -- configs -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.toml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # relative paths in a config are relative to its repo, not the cwd
+    config = load_config(path)
+    assert config.spec.method in cli.SPEC_METHODS and config.model is None
+    if config.spec.method == "draft":
+        assert config.spec.draft_model == str(default_draft_dir().resolve())
+
+
+def test_config_relative_paths(tmp_path):
+    (tmp_path / "configs").mkdir()
+    path = tmp_path / "configs" / "x.toml"
+    path.write_text('model = "models/m"\n[spec]\nmethod = "draft"\ndraft_model = "drafts/d"\n')
+    config = load_config(path)
+    assert config.model == str((tmp_path / "models" / "m").resolve())
+    assert config.spec.draft_model == str((tmp_path / "drafts" / "d").resolve())
+
+
+def test_bench_spec_variants_none_first(prompts_file, monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "run_bench", lambda variants, *a, **kw: seen.extend(variants) or {})
+    monkeypatch.setattr(bench, "format_report", lambda report: "")
+    assert cli.main(["bench", "--prompts", str(prompts_file), "--spec", "ngram", "none", "ngram",
+                     "--num-spec-tokens", "2", "--page-size", "8"]) == 0
+    assert [label for label, _ in seen] == ["none", "ngram"]
+    assert [c.spec.method for _, c in seen] == ["none", "ngram"]
+    assert all(c.spec.num_spec_tokens == 2 and c.cache.page_size == 8 for _, c in seen)
 
 
 # -- bench internals (no model) ------------------------------------------------------------

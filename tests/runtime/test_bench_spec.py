@@ -1,0 +1,117 @@
+"""`overlap bench` / `generate` with speculative decoding, on the tiny random models: every
+mode gives the same greedy tokens, and the report carries speedups and acceptance metrics."""
+
+import json
+
+import pytest
+
+from overlap.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from runtime import cli
+from runtime.bench import Prompt, format_report, run_bench, write_report
+from runtime.engine import Engine
+
+PROMPTS = [Prompt("def add(a, b):\n    return a + b\n\ndef add(a, b):", "code"),
+           Prompt("The cat sat on the mat. The cat sat on the", "chat"),
+           Prompt("Hello, how are you?", "chat")]
+
+
+def tiny_config(tiny_dirs, method="none") -> EngineConfig:
+    return EngineConfig(model=str(tiny_dirs["target"]), dtype="float32",
+                        cache=CacheConfig(page_size=16, num_pages=256),
+                        scheduler=SchedulerConfig(max_num_seqs=8, max_batched_tokens=256),
+                        spec=SpecConfig(method=method, num_spec_tokens=3,
+                                        draft_model=str(tiny_dirs["draft"]) if method == "draft" else None))
+
+
+@pytest.fixture(scope="module")
+def report(tiny_dirs):
+    variants = [(m, tiny_config(tiny_dirs, m)) for m in ("none", "draft", "ngram")]
+    return run_bench(variants, PROMPTS, max_tokens=12, concurrencies=[1, 2], progress=False,
+                     make_engine=lambda c: Engine(c, progress=False))
+
+
+def test_modes_give_identical_outputs(report):
+    base = {r["concurrency"]: [o["token_ids"] for o in r["outputs"]] for r in report["variants"][0]["runs"]}
+    assert all(map(len, base[1])) and base[1] == base[2]
+    for v in report["variants"]:
+        for r in v["runs"]:
+            assert [o["token_ids"] for o in r["outputs"]] == base[r["concurrency"]], (v["label"], r["concurrency"])
+            if v["label"] == "none":
+                assert r["vs_baseline"] is None
+            else:
+                assert (r["vs_baseline"]["identical"], r["vs_baseline"]["compared"]) == (3, 3)
+
+
+def test_acceptance_metrics(report):
+    for v in report["variants"]:
+        for r in v["runs"]:
+            assert r["speedup"] > 0
+            if v["label"] == "none":
+                assert r["acceptance_length"] is None and r["drafts"] == 0
+                assert r["acceptance_per_position"] == []
+                continue
+            assert r["drafts"] > 0 and r["draft_tokens"] >= r["drafts"]
+            assert 0 <= r["accepted_tokens"] <= r["draft_tokens"]
+            assert r["acceptance_length"] == pytest.approx(1 + r["accepted_tokens"] / r["drafts"])
+            assert 1 <= r["acceptance_length"] <= 1 + 3
+            assert 1 <= len(r["acceptance_per_position"]) <= 3
+            assert all(0 <= x <= 1 for x in r["acceptance_per_position"])
+            assert set(r["by_kind"]) == {"code", "chat"}
+            assert r["by_kind"]["chat"]["requests"] == 2
+    baseline = report["variants"][0]["runs"]
+    assert all(r["speedup"] == 1.0 for r in baseline)
+
+
+def test_report_table_and_json(report, tmp_path):
+    table = format_report(report)
+    assert "acc len" in table and "acc/pos" in table and "identical" in table
+    assert "3/3" in table and "by prompt kind" in table and "code (n=1)" in table
+    out = tmp_path / "report.json"
+    write_report(report, out)
+    data = json.loads(out.read_text())
+    assert data["config"]["prompt_kinds"] == ["code", "chat", "chat"]
+    assert [v["label"] for v in data["variants"]] == ["none", "draft", "ngram"]
+    for v in data["variants"]:
+        for r in v["runs"]:
+            assert len(r["outputs"]) == 3 and all(o["token_ids"] for o in r["outputs"])
+            assert [o["kind"] for o in r["outputs"]] == ["code", "chat", "chat"]
+
+
+# -- the command line ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def cached_engines(monkeypatch):
+    cache = {}
+    monkeypatch.setattr(cli, "make_engine",
+                        lambda c: cache[c] if c in cache else cache.setdefault(c, Engine(c, progress=False)))
+    return cache
+
+
+def generate_json(capsys, *args):
+    assert cli.main(["generate", *args, "--max-tokens", "10", "--json", "--dtype", "float32"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_generate_spec_matches_plain(tiny_dirs, cached_engines, capsys):
+    prompt, model = "a b c a b c a b", str(tiny_dirs["target"])
+    plain = generate_json(capsys, prompt, "--model", model, "--spec", "none")
+    assert "acceptance_length" not in plain["stats"]
+    for extra in (["--spec", "ngram"], ["--spec", "draft", "--draft-model", str(tiny_dirs["draft"])]):
+        out = generate_json(capsys, prompt, "--model", model, "--num-spec-tokens", "3", *extra)
+        assert out["token_ids"] == plain["token_ids"], extra
+        assert out["stats"]["acceptance_length"] >= 1
+    assert {c.spec.num_spec_tokens for c in cached_engines if c.spec.method != "none"} == {3}
+
+
+def test_bench_cli_orders_none_first(tiny_dirs, cached_engines, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p.text, "kind": p.kind}) + "\n" for p in PROMPTS))
+    out = tmp_path / "out.json"
+    assert cli.main(["bench", "--prompts", str(prompts), "--max-tokens", "6", "--model", str(tiny_dirs["target"]),
+                     "--spec", "ngram", "none", "--dtype", "float32", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "identical" in table
+    report = json.loads(out.read_text())
+    assert [v["label"] for v in report["variants"]] == ["none", "ngram"]
+    assert report["variants"][1]["runs"][0]["vs_baseline"]["identical"] == 3
