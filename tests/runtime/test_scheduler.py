@@ -1,0 +1,97 @@
+"""The scheduler core alone: no model, outputs faked. Budgets, chunking, pages, preemption."""
+
+from overlap.batch import SeqOutput, StepOutput
+from overlap.config import SchedulerConfig
+from runtime.messages import SamplingParams
+from runtime.pages import PageAllocator
+from runtime.scheduler import Scheduler
+
+
+def scheduler(num_pages=64, page_size=4, **kw) -> Scheduler:
+    return Scheduler(SchedulerConfig(**kw), PageAllocator(num_pages, page_size), eos_token_ids=(2,))
+
+
+def fake_run(sched: Scheduler, token=7):
+    """Schedule one step and pretend every sampling sequence produced `token`."""
+    plan = sched.schedule()
+    out = StepOutput(plan.step_id, [SeqOutput(w.seq_id, [token] if w.sample else []) for w in plan.seqs])
+    return plan, sched.update(plan, out)
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    s = scheduler(max_batched_tokens=10)
+    s.add("a", list(range(100, 125)), SamplingParams(max_tokens=3), seed=0)
+    chunks = []
+    while s.waiting or (s.running and s.running[0].num_computed < 25):
+        plan, _ = fake_run(s)
+        chunks.append((plan.seqs[0].start_pos, len(plan.seqs[0].token_ids), plan.seqs[0].sample))
+    assert chunks == [(0, 10, False), (10, 10, False), (20, 5, True)]
+
+
+def test_decode_and_prefill_share_a_step_and_limits_hold():
+    s = scheduler(max_batched_tokens=16, max_num_seqs=2)
+    for i in range(3):
+        s.add(f"r{i}", [10 + i] * 6, SamplingParams(max_tokens=5), seed=i)
+    plan, _ = fake_run(s)
+    assert [len(w.token_ids) for w in plan.seqs] == [6, 6]  # third waits: max_num_seqs=2
+    plan, _ = fake_run(s)
+    assert all(len(w.token_ids) == 1 for w in plan.seqs) and len(plan.seqs) == 2
+
+
+def test_pages_are_allocated_per_sequence_and_all_freed():
+    s = scheduler(num_pages=20, page_size=4)
+    for i in range(3):
+        s.add(f"r{i}", [10] * 9, SamplingParams(max_tokens=4), seed=i)
+    while s.has_work():
+        plan, _ = fake_run(s)
+        tables = [w.page_table for w in plan.seqs]
+        used = [p for t in tables for p in t]
+        assert len(used) == len(set(used)), "two sequences share a page"
+    assert s.allocator.num_free == 20
+
+
+def test_preemption_takes_the_newest_and_recomputes_its_tokens():
+    s = scheduler(num_pages=6, page_size=4, max_batched_tokens=64)
+    s.add("old", [10] * 8, SamplingParams(max_tokens=12, ignore_eos=True), seed=0)
+    s.add("new", [11] * 8, SamplingParams(max_tokens=12, ignore_eos=True), seed=1)
+    fake_run(s)  # both prefilled: 4 of 6 pages used
+    seen_preempt = False
+    while s.has_work():
+        plan, _ = fake_run(s)
+        seen_preempt |= s.num_preemptions > 0
+        for w in plan.seqs:
+            seq = s.by_seq.get(w.seq_id)
+            if seq is not None and seq.request_id == "new" and w.start_pos == 0 and seq.num_output:
+                # Recompute: prompt and generated tokens come back as one prefill chunk.
+                assert w.token_ids[:8] == [11] * 8 and len(w.token_ids) > 8
+    assert seen_preempt
+    assert s.allocator.num_free == 6
+
+
+def test_stop_conditions_and_abort():
+    s = scheduler()
+    s.add("eos", [10] * 3, SamplingParams(max_tokens=50), seed=0)
+    _, updates = fake_run(s, token=2)
+    assert updates[0].finish_reason == "stop" and updates[0].new_token_ids == [2]
+    s.add("len", [10] * 3, SamplingParams(max_tokens=2), seed=0)
+    fake_run(s)
+    _, updates = fake_run(s)
+    assert updates[0].finish_reason == "length"
+    s.add("gone", [10] * 3, SamplingParams(max_tokens=50), seed=0)
+    fake_run(s)
+    s.abort("gone")
+    assert not s.has_work() and s.allocator.num_free == s.allocator.num_pages
+
+
+def test_speculative_decodes_reserve_and_trim_draft_pages():
+    s = scheduler(num_pages=32, page_size=2)
+    s.add("a", [10] * 3, SamplingParams(max_tokens=20), seed=0, num_spec_tokens=4)
+    plan, _ = fake_run(s)
+    assert plan.seqs[0].num_spec_tokens == 0  # prefill step: no drafts
+    plan = s.schedule()
+    w = plan.seqs[0]
+    assert w.num_spec_tokens == 4 and w.draft
+    # last token + 4 drafts + the drafter's catch-up slot past the bonus token
+    assert len(w.page_table) * 2 >= w.start_pos + 1 + 4 + 1
+    s.update(plan, StepOutput(plan.step_id, [SeqOutput(w.seq_id, [7], 4, 0)]))
+    assert len(s.by_request["a"].pages) == -(-len(s.by_request["a"].tokens) // 2)
