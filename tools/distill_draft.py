@@ -53,7 +53,10 @@ def parse_args(argv=None):
     ap.add_argument("--max-train-tokens", type=int, default=400_000)
     ap.add_argument("--max-eval-tokens", type=int, default=20_000)
     ap.add_argument("--chat-answers", type=int, default=160, help="self-distilled chat replies (0: none)")
-    ap.add_argument("--chat-tokens", type=int, default=160, help="tokens per chat reply")
+    ap.add_argument("--chat-tokens", type=int, default=160, help="tokens per self-distilled reply")
+    ap.add_argument("--code-answers", type=int, default=192,
+                    help="self-distilled continuations of stdlib function headers (0: none)")
+    ap.add_argument("--self-weight", type=int, default=4, help="oversampling of self-distilled parts")
     ap.add_argument("--top-k", type=int, default=32, help="target probabilities kept per position")
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch", type=int, default=8, help="windows per step")
@@ -65,59 +68,98 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------------------- 1. corpus
+# The corpus is built in parts, each cached with its labels in --workdir, so a later run
+# that adds a part reuses the others. Self-generated parts hold the target's own greedy
+# continuations: what the draft must predict at inference time.
 
-def build_corpus(args, tokenizer, target: LlamaModel, work: Path) -> dict:
-    path = work / "corpus.pt"
-    if path.exists():
-        return torch.load(path)
+PARTS = ("code", "chat", "gen_code")
+
+
+def build_part(name: str, split: str, args, tokenizer, target: LlamaModel) -> list[list[int]]:
     train_files, eval_files = split_files()
-    rng = random.Random(args.seed)
-    rng.shuffle(train_files)
-
-    def windows(texts, budget):
-        out, total = [], 0
-        for text in texts:
-            ids = tokenizer.encode(text)
-            for i in range(0, len(ids) - 32, args.window):
-                if total >= budget:
-                    return out
-                out.append(ids[i: i + args.window])
-                total += len(out[-1])
-        return out
-
-    code_train = windows((read_text(f) for f in train_files), args.max_train_tokens)
-    code_eval = windows((read_text(f) for f in eval_files), args.max_eval_tokens)
-    instructions = chat_instructions()
-    chat_eval_instr, chat_train_instr = instructions[::10], [x for i, x in enumerate(instructions) if i % 10]
-    chat_train = self_distilled_chat(target, tokenizer, chat_train_instr[: args.chat_answers], args)
-    chat_eval = self_distilled_chat(target, tokenizer, chat_eval_instr[: max(4, args.chat_answers // 10)], args)
-    corpus = {"train": code_train + chat_train, "eval": code_eval + chat_eval,
-              "eval_kinds": ["code"] * len(code_eval) + ["chat"] * len(chat_eval)}
-    torch.save(corpus, path)
-    return corpus
+    files = train_files if split == "train" else eval_files
+    random.Random(args.seed).shuffle(files)
+    if name == "code":
+        budget = args.max_train_tokens if split == "train" else args.max_eval_tokens
+        return code_windows((read_text(f) for f in files), tokenizer, args.window, budget)
+    if name == "chat":
+        instructions = chat_instructions()
+        chosen = [x for i, x in enumerate(instructions) if (i % 10 == 0) == (split == "eval")]
+        count = args.chat_answers if split == "train" else max(4, args.chat_answers // 10)
+        return self_distilled(target, tokenizer, chosen[:count], args.chat_tokens, args.window, chat=True)
+    if name == "gen_code":
+        count = args.code_answers if split == "train" else max(4, args.code_answers // 10)
+        return self_distilled(target, tokenizer, function_headers(files, count), args.chat_tokens,
+                              args.window, chat=False)
+    raise ValueError(name)
 
 
-def self_distilled_chat(target, tokenizer, instructions, args) -> list[list[int]]:
-    """The target's own greedy replies to chat instructions (prompt + reply ids)."""
-    if not instructions or not args.chat_answers:
+def code_windows(texts, tokenizer, window: int, budget: int) -> list[list[int]]:
+    out, total = [], 0
+    for text in texts:
+        ids = tokenizer.encode(text)
+        for i in range(0, len(ids) - 32, window):
+            if total >= budget:
+                return out
+            out.append(ids[i: i + window])
+            total += len(out[-1])
+    return out
+
+
+def function_headers(files, count: int) -> list[str]:
+    """`def ...:` lines plus docstring of documented stdlib functions (prompts like a user's)."""
+    import ast
+
+    out = []
+    for f in files:
+        try:
+            source = read_text(f)
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError):
+            continue
+        lines = source.splitlines(keepends=True)
+        for node in ast.walk(tree):
+            doc = isinstance(node, ast.FunctionDef) and ast.get_docstring(node)
+            if doc and node.col_offset == 0 and len(doc) > 40:
+                out.append("".join(lines[node.lineno - 1: node.body[0].end_lineno]))
+                break  # one per file: variety
+        if len(out) >= count:
+            break
+    return out
+
+
+def self_distilled(target, tokenizer, prompts, max_tokens: int, window: int, chat: bool) -> list[list[int]]:
+    """The target's own greedy continuations of the prompts (prompt + reply ids)."""
+    if not prompts:
         return []
     from overlap.config import CacheConfig, EngineConfig
     from runtime.engine import Engine
     from runtime.messages import SamplingParams
 
-    engine = Engine.from_model(EngineConfig(cache=CacheConfig(num_pages=2048)), target, tokenizer)
-    ids = [engine.add_request(chat=True, prompt=q, params=SamplingParams(max_tokens=args.chat_tokens))
-           for q in instructions]
-    bar = tqdm(total=len(ids), desc="self-distilled chat replies")
+    engine = Engine.from_model(EngineConfig(cache=CacheConfig(num_pages=4096)), target, tokenizer)
+    ids = [engine.add_request(q, SamplingParams(max_tokens=max_tokens), chat=chat) for q in prompts]
+    bar = tqdm(total=len(ids), desc=f"self-distilled {'chat' if chat else 'code'}")
     while engine.has_work():
         for delta in engine.step():
             bar.update(delta.finish_reason is not None)
     bar.close()
-    out = []
-    for rid, q in zip(ids, instructions):
-        prompt = engine.encode(q, chat=True)
-        out.append((prompt + engine.pop_result(rid).token_ids)[: args.window])
-    return out
+    return [(engine.encode(q, chat=chat) + engine.pop_result(rid).token_ids)[:window]
+            for rid, q in zip(ids, prompts)]
+
+
+def load_parts(args, tokenizer, target: LlamaModel, work: Path) -> dict:
+    """{(name, split): (windows, (probs, ids))} for every part, built or read from the cache."""
+    parts = {}
+    for name in PARTS:
+        for split in ("train", "eval"):
+            path = work / f"part_{name}_{split}_top{args.top_k}.pt"
+            if not path.exists():
+                windows = build_part(name, split, args, tokenizer, target)
+                labels = target_labels(target, windows, args.top_k, f"target labels ({name}/{split})")
+                torch.save({"windows": windows, "labels": labels}, path)
+            data = torch.load(path)
+            parts[name, split] = (data["windows"], data["labels"])
+    return parts
 
 
 # ---------------------------------------------------------------------------- 2. labels
@@ -255,7 +297,7 @@ def train(args, model, corpus, labels, vocab_ids, work: Path):
 def evaluate(model, corpus, eval_labels, vocab_ids) -> dict:
     """Held-out top-1 agreement: the draft's argmax equals the target's argmax."""
     model.eval()
-    agree = {"code": [0, 0], "chat": [0, 0]}
+    agree = {kind: [0, 0] for kind in set(corpus["eval_kinds"])}
     for w, p, i, kind in zip(corpus["eval"], *eval_labels, corpus["eval_kinds"]):
         logits = draft_logits(model, torch.tensor([w]), vocab_ids)[0]
         draft_top = vocab_ids[logits.argmax(-1)]
@@ -291,16 +333,21 @@ def main(argv=None) -> int:
     model_dir = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
     target = load_llama(model_dir, torch.bfloat16)
-    # 1. corpus
-    corpus = build_corpus(args, tokenizer, target, work)
-    # 2. labels
-    labels_path = work / f"labels_top{args.top_k}.pt"
-    if labels_path.exists():
-        labels = torch.load(labels_path)
-    else:
-        labels = {"train": target_labels(target, corpus["train"], args.top_k, "target labels (train)"),
-                  "eval": target_labels(target, corpus["eval"], args.top_k, "target labels (held-out)")}
-        torch.save(labels, labels_path)
+    # 1. corpus and 2. labels, per part
+    parts = load_parts(args, tokenizer, target, work)
+    train_windows, train_probs, train_ids = [], [], []
+    for name in PARTS:
+        windows, (probs, ids) = parts[name, "train"]
+        # The target's own continuations are what the draft meets at inference: oversample them.
+        repeat = args.self_weight if name != "code" else 1
+        train_windows += windows * repeat
+        train_probs += probs * repeat
+        train_ids += ids * repeat
+    corpus = {"train": train_windows,
+              "eval": [w for n in PARTS for w in parts[n, "eval"][0]],
+              "eval_kinds": [n for n in PARTS for _ in parts[n, "eval"][0]]}
+    labels = {"train": (train_probs, train_ids),
+              "eval": tuple(sum((list(parts[n, "eval"][1][i]) for n in PARTS), []) for i in range(2))}
     # 3. the draft and its vocabulary: the most frequent tokens of the training text.
     counts = torch.bincount(torch.tensor([t for w in corpus["train"] for t in w]), minlength=target.cfg.vocab_size)
     vocab_ids = counts.topk(min(args.draft_vocab, target.cfg.vocab_size)).indices.sort().values
@@ -316,7 +363,8 @@ def main(argv=None) -> int:
               "draft_vocab": len(vocab_ids), "train_windows": len(corpus["train"]),
               "train_tokens": sum(map(len, corpus["train"])), "steps": args.steps, "batch": args.batch,
               "lr": args.lr, "seed": args.seed, "final_loss": sum(history[-50:]) / max(1, len(history[-50:])),
-              "corpus": "Python stdlib sources (held-out by file hash) + self-distilled chat replies",
+              "corpus": "Python stdlib sources (held out by file hash), the target's greedy continuations "
+                        "of stdlib function headers, and its replies to templated chat instructions",
               "wall_s": time.time() - started}
     print(json.dumps(report, indent=2))
     # 5. export
