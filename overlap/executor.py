@@ -74,7 +74,7 @@ class Executor:
         spec = self.proposer is not None and plan.is_decode_only and any(s.num_spec_tokens for s in plan.seqs)
         ks = [s.num_spec_tokens for s in plan.seqs] if spec else [0] * len(plan.seqs)
         proposal = None
-        if spec and self.proposer.on_host:
+        if spec and self.proposer.on_host:  # on_host proposers fill Proposal.host_tokens
             # Host drafters (n-gram) propose now, so the verify pass is sized to the drafts
             # they actually found, and a step where none are found is a plain decode.
             proposal = self.proposer.propose(plan.seqs, ks, sampling)
@@ -87,7 +87,7 @@ class Executor:
         for i, s in enumerate(plan.seqs):
             # On a speculative step each sequence's verify rows are [last token, drafts...];
             # device drafters' tokens are filled in by launch().
-            drafts = proposal.tokens[i, : ks[i]].tolist() if proposal is not None else [0] * ks[i]
+            drafts = proposal.host_tokens[i] if proposal is not None else [0] * ks[i]
             q_len = len(s.token_ids) + ks[i]
             ids += s.token_ids + drafts
             positions += range(s.start_pos, s.start_pos + q_len)

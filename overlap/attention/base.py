@@ -43,3 +43,16 @@ class AttentionBackend(Protocol):
     def run(self, layer: int, q: torch.Tensor, kv: KVPool, meta: Any) -> torch.Tensor:
         """q [T, H, D] → attention output [T, H, D] in q's dtype."""
         ...
+
+
+def tree_mask_from_parents(parents: list[int]) -> torch.Tensor:
+    """[n, n] bool ancestor mask of a draft tree: node i sees itself and its ancestors.
+    parents[i] is node i's parent (-1 for the root); parents come before their children."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j != -1:
+            mask[i, j] = True
+            j = parents[j]
+    return mask

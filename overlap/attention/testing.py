@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from overlap.attention.base import SeqAttention
+from overlap.attention.base import SeqAttention, tree_mask_from_parents
 from overlap.attention.reference import ReferenceBackend
 from overlap.kv import KVPool, slot_mapping
 
@@ -99,14 +99,7 @@ def random_specs(kind: str, rng: random.Random, batch: int | None = None,
 def random_tree_mask(n: int, rng: random.Random) -> torch.Tensor:
     """[n, n] bool: node i sees itself and its ancestors; node 0 is the root and every
     parent comes before its child (how draft trees are laid out)."""
-    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j != -1:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
+    return tree_mask_from_parents([-1] + [rng.randrange(i) for i in range(1, n)])
 
 
 def random_paged_batch(specs: list[SeqSpec], page_size: int, num_heads: int = 9,

@@ -26,6 +26,7 @@ class Proposal:
     tokens: torch.Tensor  # [B, K] i64 draft tokens (columns past num_drafts[b] are padding)
     probs: torch.Tensor  # [B, K, V] f32 q at each draft position (one-hot for deterministic drafters)
     num_drafts: list[int]  # per row, <= the k asked for (n-gram may find fewer)
+    host_tokens: list[list[int]] | None = None  # the same drafts as Python ints (host drafters)
 
 
 @dataclass(frozen=True)

@@ -39,13 +39,11 @@ class NgramProposer:
 
     def propose(self, seqs: list[SeqWork], ks: list[int], sampling: SamplingTensors) -> Proposal:
         width = max(ks)
-        rows, counts = [], []
-        for s, k in zip(seqs, ks):
-            found = lookup(self.history.get(s.seq_id, []), k, self.n_min, self.n_max) if k else []
-            counts.append(len(found))
-            rows.append(found + [0] * (width - len(found)))
+        found = [lookup(self.history.get(s.seq_id, []), k, self.n_min, self.n_max) if k else []
+                 for s, k in zip(seqs, ks)]
+        rows = [f + [0] * (width - len(f)) for f in found]
         tokens = torch.tensor(rows, dtype=torch.long, device=self.device).view(len(seqs), width)
-        return Proposal(tokens, one_hot_probs(tokens, self.vocab_size), counts)
+        return Proposal(tokens, one_hot_probs(tokens, self.vocab_size), [len(f) for f in found], found)
 
     def catch_up(self, updates: list[CatchUp]) -> None:
         for u in updates:

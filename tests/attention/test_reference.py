@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from overlap.attention import ReferenceBackend, SeqAttention
+from overlap.attention.base import tree_mask_from_parents
 from overlap.kv import KVPool, slot_mapping
 
 H, HKV, D = 6, 2, 16
@@ -68,14 +69,8 @@ def test_tree_mask_equals_each_path_alone():
     torch.manual_seed(0)
     page_size, prefix = 4, 9
     # Tree: 0 is the root; 1, 2 children of 0; 3 child of 1.  Paths: [0,1,3], [0,2].
-    parents = [-1, 0, 0, 1]
-    n = len(parents)
-    tree = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j != -1:
-            tree[i, j] = True
-            j = parents[j]
+    tree = tree_mask_from_parents([-1, 0, 0, 1])
+    n = tree.shape[0]
     pool = KVPool(1, 8, page_size, HKV, D, torch.float32)
     table = [5, 2, 7, 0]
     k, v = torch.randn(prefix + n, HKV, D), torch.randn(prefix + n, HKV, D)
