@@ -30,7 +30,6 @@ class PreparedStep:
     plan: BatchPlan
     input_ids: torch.Tensor  # [T] i64
     positions: torch.Tensor  # [T] i64
-    attn: list[SeqAttention]
     meta: Any  # attention metadata for this step
     logits_rows: torch.Tensor  # [S] i64: last row of every sequence that samples
     sampled: list[SeqWork]  # sequences that produce tokens, in logits_rows order
@@ -98,7 +97,6 @@ class Executor:
             plan=plan,
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            attn=attn,
             meta=self.backend.plan(attn, self.kv.page_size, *self._attn_dims),
             logits_rows=torch.tensor(rows, dtype=torch.long, device=dev),
             sampled=sampled,

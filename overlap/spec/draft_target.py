@@ -82,10 +82,10 @@ class DraftTargetProposer:
             tokens[rows, i] = d
             probs[rows, i] = q
             # 2. run the draft on it to get q_{i+1}, for rows that need another draft.
-            rows_next = [r for r in rows if ks[r] > i + 1]
-            if not rows_next:
+            keep = [j for j, r in enumerate(rows) if ks[r] > i + 1]  # positions within rows
+            if not keep:
                 break
-            keep = [rows.index(r) for r in rows_next]
+            rows_next = [rows[j] for j in keep]
             attn = [SeqAttention(1, seqs[r].end_pos + i + 1, seqs[r].page_table) for r in rows_next]
             logits = self._forward(d[keep], [seqs[r].end_pos + i for r in rows_next], attn,
                                    list(range(len(rows_next))))
