@@ -96,6 +96,7 @@ class EngineConfig:
     dtype: str = "bfloat16"
     device: str = "cpu"
     attention_backend: str = "auto"  # auto | reference | flashinfer
+    overlap: bool = True  # plan step N+1 while the device runs step N's drafter catch-up
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)

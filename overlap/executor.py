@@ -2,22 +2,34 @@
 
 Each step is split the way the pipelined runtime needs it:
   1. prepare  (host)   flatten the plan into input tensors, plan attention;
-  2. launch   (device) draft (speculative steps), target forward, sampling / verification;
-  3. collect  (sync)   the one documented sync point: produced ids to Python ints;
-  4. catch up (device) the drafter runs over the tokens it has not seen (KV fill).
+  2. launch   (device) draft (speculative steps), target forward, sampling / verification,
+                       queued on the forward stream; the produced ids are copied to the host
+                       on the copy stream and `submit` returns an EventFuture for them;
+  3. collect  (sync)   the one documented sync point: the future resolves to Python ints;
+  4. catch up (device) `finish` queues the drafter's run over the tokens it has not seen
+                       (KV fill) and returns at once.
+The caller (engine or executor process) hands the step's output to the scheduler right after
+3, so step N+1 is planned and prepared while the device still runs step N's catch-up: that
+is the overlap the runtime is built around. With overlap off, `finish` also waits for the
+device to go idle, so planning starts only after the previous step has completed.
+
 A decode-only batch in which some sequence asks for drafts is a speculative step; anything
 else (prefill chunks, mixed batches) samples one token per finishing sequence.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from overlap.attention.base import AttentionBackend, SeqAttention
 from overlap.batch import BatchPlan, SeqOutput, SeqWork, StepOutput
+from overlap.device import Device, Event
+from overlap.futures import EventFuture
 from overlap.kv import KVPool
 from overlap.models.llama import LlamaModel
 from overlap.sampling import SamplingTensors, probabilities, sample
@@ -45,28 +57,137 @@ class LaunchedStep:
     num_accepted: torch.Tensor | None  # [S] i64 on speculative steps
     num_drafts: list[int]
 
+    def device_results(self) -> tuple[torch.Tensor, ...]:
+        if self.num_accepted is None:
+            return (self.tokens,)
+        return self.tokens, self.num_accepted
+
+
+@dataclass
+class InFlightStep:
+    """A submitted step. The forward stream runs: start → launch → launched → (host collects)
+    → catch_up_start → catch-up → end; the events bracket those parts for the timing."""
+
+    plan: BatchPlan
+    output: EventFuture  # → StepOutput once the produced ids are on the host
+    submitted: float  # host perf_counter when the launch was queued
+    start: Event
+    launched: Event
+    catch_up_start: Event | None = None
+    end: Event | None = None
+    resolved: float | None = None  # host perf_counter when the output was known
+
+
+@dataclass
+class StepTiming:
+    """Where one step's time went. `idle_in_step_s`: the device waited while the host read
+    the produced ids and queued the catch-up; `idle_before_s`: it waited between this step's
+    end and the next step's launch; `plan_s`: host time from this step's output to the next
+    step's launch (scheduling, messaging, prepare), of which `hidden_s` ran while the device
+    was still busy (this step's catch-up)."""
+
+    step_id: int
+    busy_s: float
+    idle_in_step_s: float  # between the produced ids and the catch-up launch
+    idle_before_s: float
+    plan_s: float
+    hidden_s: float
+
+
+@dataclass
+class TimingTotals:
+    steps: int = 0
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+    plan_s: float = 0.0
+    hidden_s: float = 0.0
+    recent: deque = field(default_factory=lambda: deque(maxlen=256))
+
+    def add(self, t: StepTiming) -> None:
+        self.steps += 1
+        self.busy_s += t.busy_s
+        self.idle_s += t.idle_in_step_s + t.idle_before_s
+        self.plan_s += t.plan_s
+        self.hidden_s += t.hidden_s
+        self.recent.append(t)
+
+    def as_dict(self) -> dict:
+        return {"timed_steps": self.steps, "device_busy_s": self.busy_s, "device_idle_s": self.idle_s,
+                "plan_s": self.plan_s, "hidden_plan_s": self.hidden_s}
+
 
 class Executor:
     def __init__(self, model: LlamaModel, kv: KVPool, backend: AttentionBackend,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, overlap: bool = True):
         self.model = model
         self.kv = kv
         self.backend = backend
         self.proposer = proposer
+        self.overlap = overlap
         self.device = model.embed_tokens.device
+        self.streams = Device(self.device)
         cfg = model.cfg
         self._attn_dims = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.dtype)
+        self.timing = TimingTotals()
+        self._previous: InFlightStep | None = None  # the last finished step, for the timing
 
     def execute(self, plan: BatchPlan) -> StepOutput:
-        launched = self.launch(self.prepare(plan))
-        output = self.collect(launched)
-        self.catch_up(launched.prepared.plan, output)
+        """Run one step to its output (the drafter's catch-up may still be running)."""
+        step = self.submit(plan)
+        output = step.output.result()
+        self.finish(step, output)
         return output
+
+    def submit(self, plan: BatchPlan) -> InFlightStep:
+        """1-2: prepare on the host, queue the device work; returns at once."""
+        prepared = self.prepare(plan)
+        stream = self.streams.forward
+        start = stream.record()
+        launched = LaunchedStep(prepared, torch.empty(0), None, [])
+        # Runs on the stream (a worker thread on the CPU): results land in `launched`.
+        stream.submit(lambda: self.launch(prepared, into=launched))
+        done = stream.record()
+        copy = self.streams.to_host(launched.device_results)
+        future = EventFuture(copy.event, lambda: self.collect(launched, copy.values))
+        return InFlightStep(plan, future, time.perf_counter(), start, done)
+
+    def finish(self, step: InFlightStep, output: StepOutput) -> None:
+        """4: queue the drafter's catch-up (returns without waiting for it) and time the step."""
+        step.resolved = time.perf_counter()
+        stream = self.streams.forward
+        step.catch_up_start = stream.record()
+        self.catch_up(step.plan, output)
+        step.end = stream.record()
+        if not self.overlap:
+            step.end.synchronize()  # plan the next step only once the device is idle
+        self._time(step)
+
+    def _time(self, step: InFlightStep) -> None:
+        # Once step N's ids are on the host, every event of step N-1 has fired (they precede
+        # N's launch on the forward stream), so reading them costs no sync.
+        prev, self._previous = self._previous, step
+        if prev is None or not step.launched.query():
+            return
+        continuing = {s.seq_id for s in prev.plan.seqs} & {s.seq_id for s in step.plan.seqs}
+        busy = prev.launched.seconds_since(prev.start) + prev.end.seconds_since(prev.catch_up_start)
+        idle_in_step = max(0.0, prev.catch_up_start.seconds_since(prev.launched))
+        # Only back-to-back steps of the same sequences measure the pipeline; a gap while
+        # the server had no work is not idleness the runtime could have avoided.
+        idle_before = max(0.0, step.start.seconds_since(prev.end)) if continuing else 0.0
+        plan_s = max(0.0, step.submitted - prev.resolved) if continuing else 0.0
+        self.timing.add(StepTiming(prev.plan.step_id, busy, idle_in_step, idle_before, plan_s,
+                                   min(plan_s, max(0.0, plan_s - idle_before))))
+
+    def synchronize(self) -> None:
+        self.streams.forward.synchronize()
+
+    def close(self) -> None:
+        self.streams.close()
 
     # 1. host work
     def prepare(self, plan: BatchPlan) -> PreparedStep:
         if self.proposer is not None and plan.freed_seq_ids:
-            self.proposer.release(plan.freed_seq_ids)
+            self._on_drafter_stream(lambda: self.proposer.release(plan.freed_seq_ids))
         sampled = [s for s in plan.seqs if s.sample]
         dev = self.device
         sampling = SamplingTensors.from_seqs(sampled, dev) if sampled else None
@@ -105,14 +226,29 @@ class Executor:
             proposal=proposal if spec else None,
         )
 
-    # 2. device work
-    def launch(self, step: PreparedStep) -> LaunchedStep:
+    def _on_drafter_stream(self, fn) -> None:
+        # A model drafter's state (KV, carried logits) is only touched by work on the forward
+        # stream, in order; a host drafter's state lives on the host.
+        if self.proposer.on_host:
+            fn()
+        else:
+            self.streams.forward.submit(fn)
+
+    # 2. device work (runs on the forward stream)
+    def launch(self, step: PreparedStep, into: LaunchedStep | None = None) -> LaunchedStep:
+        launched = self._launch(step)
+        if into is not None:
+            into.tokens, into.num_accepted, into.num_drafts = \
+                launched.tokens, launched.num_accepted, launched.num_drafts
+        return launched
+
+    def _launch(self, step: PreparedStep) -> LaunchedStep:
         if step.spec_ks is not None:
             return self._launch_speculative(step)
         _, logits = self.model(step.input_ids, step.positions, self.backend, self.kv, step.meta,
                                step.logits_rows)
         if step.sampling is None:
-            return LaunchedStep(step, torch.empty(0, 1, dtype=torch.long), None, [])
+            return LaunchedStep(step, torch.empty(0, 1, dtype=torch.long, device=self.device), None, [])
         positions = torch.tensor([s.end_pos for s in step.sampled], dtype=torch.long, device=self.device)
         return LaunchedStep(step, sample(logits, step.sampling, positions)[:, None], None, [])
 
@@ -149,10 +285,13 @@ class Executor:
         return LaunchedStep(step, tokens, accepted, proposal.num_drafts)
 
     # 3. the sync point
-    def collect(self, launched: LaunchedStep) -> StepOutput:
+    def collect(self, launched: LaunchedStep, host: list[torch.Tensor] | None = None) -> StepOutput:
         # The one host sync of a step: the scheduler needs the produced ids as Python ints.
-        tokens = launched.tokens.tolist()
-        accepted = launched.num_accepted.tolist() if launched.num_accepted is not None else None
+        # `host` holds the copies made on the copy stream (pinned memory on CUDA), already
+        # complete when the step's future resolves, so tolist() does not wait here.
+        host = host if host is not None else list(launched.device_results())
+        tokens = host[0].tolist()
+        accepted = host[1].tolist() if launched.num_accepted is not None else None
         outputs: dict[int, SeqOutput] = {}
         for i, s in enumerate(launched.prepared.sampled):
             if accepted is None:
@@ -182,4 +321,4 @@ class Executor:
             # Elsewhere the step's input token is fed again (an identical KV rewrite) so that
             # prefill chunks, plain decodes and recomputes after preemption share one rule.
             updates.append(CatchUp(s.seq_id, s.start_pos + skip, known[skip:], s.page_table))
-        self.proposer.catch_up(updates)
+        self._on_drafter_stream(lambda: self.proposer.catch_up(updates))

@@ -124,7 +124,7 @@ class Engine:
         self.max_model_len = min(config.scheduler.max_model_len, cfg.max_position)
         kv = self.model.new_kv_pool(config.cache.num_pages, config.cache.page_size)
         backend = make_backend(config.attention_backend, config.device)
-        self.executor = Executor(self.model, kv, backend, self._make_proposer(config))
+        self.executor = Executor(self.model, kv, backend, self._make_proposer(config), overlap=config.overlap)
         self.allocator = PageAllocator(config.cache.num_pages, config.cache.page_size)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.allocator, self._eos_ids())
@@ -214,11 +214,11 @@ class Engine:
 
     def step(self) -> list[Delta]:
         """Schedule → run → postprocess one batch; returns the deltas it produced."""
-        # 1. schedule
+        # 1. schedule (runs while the device finishes the previous step's drafter catch-up)
         plan = self.scheduler.schedule()
         if plan is None:
             return []
-        # 2. run
+        # 2. run: queue the step, wait for its produced ids (the one sync), queue the catch-up
         output = self.executor.execute(plan)
         # 3. postprocess
         return self._postprocess(plan, self.scheduler.update(plan, output))
@@ -291,7 +291,10 @@ class Engine:
                       req.stats.as_dict())
 
     def stats(self) -> dict:
-        return {**self.scheduler.stats(), "requests": len(self.requests)}
+        return {**self.scheduler.stats(), "requests": len(self.requests), **self.executor.timing.as_dict()}
+
+    def close(self) -> None:
+        self.executor.close()
 
 
 __all__ = ["Engine", "Delta", "Result", "SamplingParams", "RequestError"]
