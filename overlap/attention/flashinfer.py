@@ -18,6 +18,9 @@ the new tokens: row-major, requests concatenated, one bit per (query, key) pair.
 sequence of a masked step gets a mask: the cached-prefix columns all True, the last q_len
 columns its tree mask (or a lower triangle for causal rows). We pack it on the host.
 
+CUDA graphs (overlap/graphs.py) get their attention from `graph_attention()`: wrappers built
+with use_cuda_graph=True over buffers of fixed size, one set per captured batch shape.
+
 Only imported from `make_backend` when the device is CUDA; the CPU path never needs
 flashinfer installed. Written against flashinfer-python 0.7.4.
 """
@@ -83,18 +86,8 @@ class FlashInferBackend:
              num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> FlashInferMetadata:
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"flashinfer attention runs fp16/bf16 models, not {dtype}")
-        # 1. Host arrays: pages actually covered by kv_len (a page table may hold pages
-        #    reserved for later tokens; FlashInfer must not see them), last-page fill, slots.
-        qo_indptr, kv_indptr, indices, last_len, slots = [0], [0], [], [], []
-        for s in seqs:
-            n_pages = -(-s.kv_len // page_size)
-            if s.q_len < 1 or s.kv_len < s.q_len or len(s.page_table) < n_pages:
-                raise ValueError(f"bad sequence for page size {page_size}: {s}")
-            indices += s.page_table[:n_pages]
-            kv_indptr.append(len(indices))
-            last_len.append(s.kv_len - (n_pages - 1) * page_size)  # 1..page_size
-            qo_indptr.append(qo_indptr[-1] + s.q_len)
-            slots += slot_mapping(s.page_table, s.kv_len - s.q_len, s.kv_len, page_size)
+        # 1. Host arrays: page indptr/indices/last-page fill, query indptr, slots.
+        qo_indptr, kv_indptr, indices, last_len, slots = page_arrays(seqs, page_size)
         slots_h = _pinned(slots, torch.long)
         slot_dev = slots_h.to(self.device, non_blocking=True)
         slot_index = self._plans % PLAN_SLOTS
@@ -148,6 +141,121 @@ class FlashInferBackend:
             raise RuntimeError(f"stale attention metadata (plan {meta.plan_id}): its wrappers "
                                f"were re-planned; at most {PLAN_SLOTS} plans may be live")
         return meta.wrapper.run(q.contiguous(), (kv.k[layer], kv.v[layer]), out=out)
+
+    def graph_attention(self, batch_size: int, q_len: int, max_pages: int) -> FlashInferGraphAttention:
+        """Attention for one CUDA graph (overlap/graphs.py): exactly `batch_size` sequences of
+        `q_len` new tokens, at most `max_pages` KV pages over all of them. It shares this
+        backend's float workspace, so its replays must be serialized with this backend's
+        runs (one stream)."""
+        return FlashInferGraphAttention(self._workspace, batch_size, q_len, max_pages)
+
+
+@dataclass(frozen=True)
+class FlashInferGraphMetadata:
+    slots: torch.Tensor  # [B * q_len] i64 on the device: the graph's static slot buffer
+    host: tuple[torch.Tensor, ...]  # pinned sources of the plan's copies (kept alive)
+
+
+class FlashInferGraphAttention:
+    """The attention backend of one captured CUDA graph: a fixed batch of `batch_size`
+    sequences with exactly `q_len` new tokens each, causal, no tree masks.
+
+    A captured graph replays fixed device addresses, so everything its kernels read lives
+    in buffers allocated here once: the page indptr/indices/last-page lengths (and query
+    indptr) handed to FlashInfer's wrappers built with use_cuda_graph=True, and the KV
+    write slots read by the captured `kv.write`. `plan()` runs outside the graph before
+    every replay and refills them (FlashInfer's plan() copies into its buffers in graph
+    mode); `run()` is what gets captured. q_len 1 runs the decode wrapper, longer q_len
+    the causal prefill wrapper: the same kernels as FlashInferBackend picks eagerly.
+    """
+
+    name = "flashinfer-graph"
+
+    def __init__(self, workspace: torch.Tensor, batch_size: int, q_len: int, max_pages: int):
+        dev = workspace.device
+        self.batch_size, self.q_len = batch_size, q_len
+        i32 = dict(dtype=torch.int32, device=dev)
+        self._kv_indptr = torch.zeros(batch_size + 1, **i32)  # [B+1] i32
+        self._indices = torch.zeros(max_pages, **i32)  # [max_pages] i32, a prefix used per plan
+        self._last_len = torch.zeros(batch_size, **i32)  # [B] i32
+        # [B * q_len] i64: where the captured kv.write stores the new K/V.
+        self.slots = torch.zeros(batch_size * q_len, dtype=torch.long, device=dev)
+        if q_len == 1:
+            self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, kv_layout="NHD", use_cuda_graph=True,
+                paged_kv_indptr_buffer=self._kv_indptr, paged_kv_indices_buffer=self._indices,
+                paged_kv_last_page_len_buffer=self._last_len)
+            self._qo_indptr_h = None
+        else:
+            self._qo_indptr = torch.zeros(batch_size + 1, **i32)  # [B+1] i32
+            self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                workspace, kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=self._qo_indptr,
+                paged_kv_indptr_buf=self._kv_indptr, paged_kv_indices_buf=self._indices,
+                paged_kv_last_page_len_buf=self._last_len)
+            # Every row has q_len queries: the query indptr never changes.
+            self._qo_indptr_h = _pinned(range(0, (batch_size + 1) * q_len, q_len), torch.int32)
+        self._copied: torch.cuda.Event | None = None  # recorded after the last plan's copies
+
+    def plan(self, seqs: list[SeqAttention], page_size: int, num_heads: int,
+             num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> FlashInferGraphMetadata:
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"flashinfer attention runs fp16/bf16 models, not {dtype}")
+        if len(seqs) != self.batch_size:
+            raise ValueError(f"graph attention is planned for {self.batch_size} sequences, got {len(seqs)}")
+        if any(s.q_len != self.q_len or s.tree_mask is not None for s in seqs):
+            raise ValueError(f"graph attention runs causal steps of q_len {self.q_len} only")
+        _, kv_indptr, indices, last_len, slots = page_arrays(seqs, page_size)
+        if len(indices) > self._indices.numel():
+            raise ValueError(f"{len(indices)} KV pages exceed the graph's buffer of {self._indices.numel()}")
+        if self._copied is not None:
+            # FlashInfer's plan() stages its work split in ONE pinned host buffer per wrapper
+            # and copies it to the device asynchronously. Re-planning before that copy has
+            # run would rewrite its source: the previous replay would read this plan's
+            # schedule. Wait for it; that copy precedes the previous replay on the stream, so
+            # this only blocks a host running more than one step ahead of the device.
+            self._copied.synchronize()
+        kv_indptr_h, indices_h, last_h = (_pinned(a, torch.int32) for a in (kv_indptr, indices, last_len))
+        slots_h = _pinned(slots, torch.long)
+        # Indices go to the device first: in graph mode plan() copies host indices into its
+        # buffer with a BLOCKING copy (non_blocking only when they are already on the
+        # device), which would wait for every step queued on the stream.
+        indices_d = indices_h.to(self.slots.device, non_blocking=True)
+        dims = (num_heads, num_kv_heads, head_dim, page_size)
+        types = dict(q_data_type=dtype, kv_data_type=dtype)
+        if self._qo_indptr_h is None:
+            self._wrapper.plan(kv_indptr_h, indices_d, last_h, *dims, **types)
+        else:
+            self._wrapper.plan(self._qo_indptr_h, kv_indptr_h, indices_d, last_h, *dims,
+                               causal=True, **types)
+        self.slots.copy_(slots_h, non_blocking=True)
+        if self.slots.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return FlashInferGraphMetadata(self.slots, (kv_indptr_h, indices_h, last_h, slots_h))
+
+    def run(self, layer: int, q: torch.Tensor, kv: KVPool, meta: FlashInferGraphMetadata) -> torch.Tensor:
+        """q [B * q_len, H, D] fp16/bf16 → [B * q_len, H, D]; captured into the graph."""
+        out = torch.empty_like(q)
+        return self._wrapper.run(q.contiguous(), (kv.k[layer], kv.v[layer]), out=out)
+
+
+def page_arrays(seqs: list[SeqAttention], page_size: int
+                ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """Host lists (qo_indptr [B+1], kv_indptr [B+1], page indices, last_page_len [B], slots [T])
+    describing a step the way FlashInfer's paged wrappers read it. Only the pages covered by
+    kv_len are listed: a page table may hold pages reserved for later tokens, and FlashInfer
+    must not see them."""
+    qo_indptr, kv_indptr, indices, last_len, slots = [0], [0], [], [], []
+    for s in seqs:
+        n_pages = -(-s.kv_len // page_size)
+        if s.q_len < 1 or s.kv_len < s.q_len or len(s.page_table) < n_pages:
+            raise ValueError(f"bad sequence for page size {page_size}: {s}")
+        indices += s.page_table[:n_pages]
+        kv_indptr.append(len(indices))
+        last_len.append(s.kv_len - (n_pages - 1) * page_size)  # 1..page_size
+        qo_indptr.append(qo_indptr[-1] + s.q_len)
+        slots += slot_mapping(s.page_table, s.kv_len - s.q_len, s.kv_len, page_size)
+    return qo_indptr, kv_indptr, indices, last_len, slots
 
 
 def pack_custom_mask(seqs: list[SeqAttention]) -> tuple[np.ndarray, np.ndarray]:
