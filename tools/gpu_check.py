@@ -1,10 +1,16 @@
 """One-call GPU acceptance check: `python tools/gpu_check.py` on a machine with CUDA.
 
-Sections (each a function returning table rows; later work adds CUDA graphs, TP, ...):
+Sections (each a function returning table rows; later work adds TP, ...):
   kernels  FlashInfer vs the reference backend on random paged batches: max abs error,
            PASS/FAIL, plan time (ms, host) and run time (ms, CUDA events) per case;
   model    the shipped SmolLM2 in bf16 on CUDA: one prefill (and one decode step after it)
-           with the reference backend vs FlashInfer: top-1 agreement and max abs logit diff.
+           with the reference backend vs FlashInfer: top-1 agreement and max abs logit diff;
+  graphs   CUDA graphs (overlap/graphs.py) on a tiny random bf16 model with FlashInfer:
+           buckets captured for decode (q_len 1) and verify (q_len 5), replayed over rounds
+           of fresh tokens, lengths and page tables for batches that fill a bucket, need
+           padding or exceed every bucket (eager fallback), against the eager unpadded
+           FlashInfer forward: max abs logit diff, top-1 agreement, bit-exact or not, KV
+           diff outside the scratch page, and step time (ms) replayed vs eager.
 
 Exits 1 if any check fails, 2 if flashinfer cannot be imported on a CUDA machine, and 0
 with "SKIP: no CUDA device" where there is no GPU, so it runs anywhere.
@@ -193,9 +199,148 @@ def _prefill_then_decode(model, backend, prompts: list[list[int]]) -> tuple[torc
     return prefill, decode
 
 
+# -- CUDA graphs ------------------------------------------------------------------------------
+
+GRAPH_BUCKETS = (1, 4, 8, 16)
+# Per round: exact buckets, padded batches, and one past the last bucket (eager fallback).
+GRAPH_BATCHES = (1, 3, 4, 8, 13, 16, 21)
+GRAPH_ROUNDS = 3  # fresh tokens, cached lengths and page tables each round: real replays
+GRAPH_PAGE = 16
+GRAPH_MAX_CACHED = 300
+# Graph and eager runs may round differently in bf16 (GEMMs over padded row counts pick
+# other kernels; FlashInfer's graph-mode schedule splits KV differently): on this model the
+# whole bf16-vs-f32 gap is ~0.1, while one wrong page in a page table moves logits by ~5.
+GRAPH_MAX_ABS = 0.25
+GRAPH_TOP1 = 0.98
+
+
+def check_graphs(args) -> list[Row]:
+    from overlap.attention.flashinfer import FlashInferBackend
+
+    model = _tiny_model(args.seed)
+    backend = FlashInferBackend(DEVICE)
+    rows = []
+    for q_len, kind in ((1, "decode"), (5, "verify")):
+        rows += _graph_rows(model, backend, q_len, kind, args.seed)
+    return rows
+
+
+def _tiny_model(seed: int):
+    """A random 2-layer Llama in bf16 on the device (head_dim 64, GQA 2: FlashInfer shapes)."""
+    from overlap.config import ModelConfig
+    from overlap.models.llama import LlamaModel
+
+    cfg = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, max_position=2048, tie_word_embeddings=True)
+    model = LlamaModel(cfg, torch.bfloat16, DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:  # scaled up so the argmax is well separated
+                p.normal_(0, 0.08, generator=gen)
+    return model.eval()
+
+
+def _graph_rows(model, backend, q_len: int, kind: str, seed: int) -> list[Row]:
+    from overlap.graphs import GraphRunner, bucket_for
+
+    rng = random.Random(seed)
+    num_pages = max(GRAPH_BATCHES) * -(-(GRAPH_MAX_CACHED + q_len) // GRAPH_PAGE)
+    scratch = num_pages  # the one page more than the "scheduler" hands out
+    kv_graph = model.new_kv_pool(num_pages + 1, GRAPH_PAGE)
+    kv_eager = model.new_kv_pool(num_pages + 1, GRAPH_PAGE)
+    # Random KV everywhere (as if earlier steps wrote it), the same in both pools: a page
+    # read or written by mistake changes the results by whole units.
+    for graph_cache, eager_cache in zip(kv_graph.k + kv_graph.v, kv_eager.k + kv_eager.v):
+        graph_cache.normal_()
+        eager_cache.copy_(graph_cache)
+    name = f"{kind} q_len={q_len}"
+    try:
+        runner = GraphRunner(model, kv_graph, backend, q_len, scratch_page=scratch,
+                             buckets=GRAPH_BUCKETS, use_graphs=True)
+        t0 = time.perf_counter()
+        runner.capture_all()
+        capture_s = time.perf_counter() - t0
+    except Exception as exc:
+        traceback.print_exc()
+        return [Row("graphs", f"{name} capture", False, {"error": f"{type(exc).__name__}: {exc}"[:200]})]
+    out = [Row("graphs", f"{name} capture {GRAPH_BUCKETS}", runner.captured == list(GRAPH_BUCKETS),
+               {"capture_s": f"{capture_s:.2f}"})]
+    for b in GRAPH_BATCHES:
+        size = bucket_for(b, GRAPH_BUCKETS)
+        label = f"{name} b={b} " + (f"graph {size}" if size is not None else "eager fallback")
+        try:
+            out.append(_graph_row(model, backend, runner, kv_graph, kv_eager, b, label, rng))
+        except Exception as exc:  # report every batch, not just the first failure
+            traceback.print_exc()
+            out.append(Row("graphs", label, False, {"error": f"{type(exc).__name__}: {exc}"[:200]}))
+    return out
+
+
+def _graph_row(model, backend, runner, kv_graph, kv_eager, b: int, label: str, rng) -> Row:
+    """GRAPH_ROUNDS steps of batch b through the runner and the eager forward, then timing."""
+    q_len, scratch = runner.q_len, runner.scratch_page
+    max_abs, kv_diff, top1, exact = 0.0, 0.0, 1.0, True
+    for _ in range(GRAPH_ROUNDS):
+        ids, pos, seqs = _graph_step(b, q_len, scratch, rng)
+        logits_rows = torch.arange(b * q_len, device=DEVICE)
+        _, logits = runner.forward(ids, pos, seqs, logits_rows)
+        _, want = _eager_forward(model, backend, kv_eager, ids, pos, seqs, logits_rows)
+        torch.cuda.synchronize()
+        max_abs = max(max_abs, max_abs_error(logits, want))
+        top1 = min(top1, (logits.argmax(-1) == want.argmax(-1)).float().mean().item())
+        exact = exact and torch.equal(logits, want)
+        # Both runs wrote the same real slots; padding rows may only have written the
+        # scratch page, so every other page must agree (within bf16 rounding).
+        for graph_cache, eager_cache in zip(kv_graph.k + kv_graph.v, kv_eager.k + kv_eager.v):
+            kv_diff = max(kv_diff, max_abs_error(graph_cache[:scratch], eager_cache[:scratch]))
+    graph_ms = _step_ms(lambda: runner.forward(ids, pos, seqs, logits_rows))
+    eager_ms = _step_ms(lambda: _eager_forward(model, backend, kv_eager, ids, pos, seqs, logits_rows))
+    ok = max_abs <= GRAPH_MAX_ABS and top1 >= GRAPH_TOP1 and kv_diff <= GRAPH_MAX_ABS
+    return Row("graphs", label, ok, {"max_abs": f"{max_abs:.3f}", "top1": f"{top1:.3f}",
+                                     "exact": "yes" if exact else "no", "kv_diff": f"{kv_diff:.3f}",
+                                     "graph_ms": f"{graph_ms:.3f}", "eager_ms": f"{eager_ms:.3f}"})
+
+
+def _graph_step(b: int, q_len: int, scratch: int, rng):
+    """b sequences with random cached lengths on shuffled pages, never the scratch page:
+    (ids [b*q_len] i64, positions [b*q_len] i64 on the device, their SeqAttention list)."""
+    from overlap.attention.base import SeqAttention
+
+    free = list(range(scratch))
+    rng.shuffle(free)
+    ids, pos, seqs = [], [], []
+    for _ in range(b):
+        cached = rng.randint(1, GRAPH_MAX_CACHED)
+        kv_len = cached + q_len
+        table = [free.pop() for _ in range(-(-kv_len // GRAPH_PAGE))]
+        ids += [rng.randrange(1, 1024) for _ in range(q_len)]
+        pos += range(cached, kv_len)
+        seqs.append(SeqAttention(q_len, kv_len, table))
+    return torch.tensor(ids, device=DEVICE), torch.tensor(pos, device=DEVICE), seqs
+
+
+def _eager_forward(model, backend, kv, ids, pos, seqs, logits_rows):
+    meta = backend.plan(seqs, kv.page_size, model.cfg.num_heads, model.cfg.num_kv_heads,
+                        model.cfg.head_dim, model.dtype)
+    return model(ids, pos, backend, kv, meta, logits_rows)
+
+
+def _step_ms(step) -> float:
+    """Mean wall ms of one step (host planning included) over TIMING_ITERS, after one warm-up."""
+    step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(TIMING_ITERS):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3 / TIMING_ITERS
+
+
 # -- driver -----------------------------------------------------------------------------------
 
-SECTIONS = {"kernels": check_kernels, "model": check_model}
+SECTIONS = {"kernels": check_kernels, "model": check_model, "graphs": check_graphs}
 
 
 def print_table(rows: list[Row]) -> None:
