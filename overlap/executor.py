@@ -26,14 +26,18 @@ from typing import Any
 
 import torch
 
+from overlap.attention import make_backend
 from overlap.attention.base import AttentionBackend, SeqAttention
 from overlap.batch import BatchPlan, SeqOutput, SeqWork, StepOutput
+from overlap.config import EngineConfig
 from overlap.device import Device, Event
 from overlap.futures import EventFuture
 from overlap.kv import KVPool
 from overlap.models.llama import LlamaModel
 from overlap.sampling import SamplingTensors, probabilities, sample
 from overlap.spec.base import CatchUp, Proposal, Proposer
+from overlap.spec.draft_target import DraftTargetProposer, load_draft
+from overlap.spec.ngram import NgramProposer
 from overlap.spec.rejection import verify_chain
 
 
@@ -322,3 +326,25 @@ class Executor:
             # prefill chunks, plain decodes and recomputes after preemption share one rule.
             updates.append(CatchUp(s.seq_id, s.start_pos + skip, known[skip:], s.page_table))
         self._on_drafter_stream(lambda: self.proposer.catch_up(updates))
+
+
+def build_executor(config: EngineConfig, model: LlamaModel) -> Executor:
+    """The target's KV pool, the attention backend and the configured drafter around `model`."""
+    kv = model.new_kv_pool(config.cache.num_pages, config.cache.page_size)
+    backend = make_backend(config.attention_backend, config.device)
+    return Executor(model, kv, backend, build_proposer(config, model), overlap=config.overlap)
+
+
+def build_proposer(config: EngineConfig, model: LlamaModel) -> Proposer | None:
+    spec = config.spec
+    if spec.method == "none":
+        return None
+    if spec.method == "ngram":
+        return NgramProposer(model.cfg.vocab_size, config.device, spec.ngram_min, spec.ngram_max)
+    if spec.method == "draft":
+        if not spec.draft_model:
+            raise ValueError("spec method 'draft' needs spec.draft_model (a draft directory)")
+        draft = load_draft(spec.draft_model, model)
+        return DraftTargetProposer(draft, make_backend(config.attention_backend, config.device),
+                                   config.cache.num_pages, config.cache.page_size)
+    raise ValueError(f"unknown spec method {spec.method!r} (none | draft | ngram)")

@@ -99,6 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: the config's, none); speedups are over the first (none if given)")
     _add_engine_options(bench)
 
+    srv = sub.add_parser("serve", help="run the server: tokenizer, scheduler and executor processes")
+    srv.add_argument("--zmq", default="tcp://127.0.0.1:5557", metavar="ADDRESS",
+                     help="where clients connect (default: tcp://127.0.0.1:5557, loopback only; "
+                          "a port of * picks a free one)")
+    srv.add_argument("--spec", choices=SPEC_METHODS, metavar="MODE",
+                     help="speculative decoding: none | draft | ngram (default: the config's, none)")
+    srv.add_argument("--max-waiting", type=_positive_int, default=1024, metavar="N",
+                     help="requests queued beyond the running batch before new ones are refused")
+    srv.add_argument("--no-overlap", action="store_true",
+                     help="plan each step only after the previous one finished on the device")
+    _add_engine_options(srv)
+
     conv = sub.add_parser("convert", help="convert a GGUF into an HF-style directory (cached)")
     conv.add_argument("gguf", nargs="?", metavar="GGUF", help="default: the shipped model")
     conv.add_argument("--out", metavar="DIR", help="default: the conversion cache directory")
@@ -225,6 +237,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from runtime.daemon import serve
+
+    config = engine_config(args, args.spec)
+    if args.no_overlap:
+        config = dataclasses.replace(config, overlap=False)
+    return serve(config, args.zmq, max_waiting=args.max_waiting)
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from overlap.models.loading import cache_dir_for, convert_gguf, default_gguf_path
 
@@ -246,7 +267,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "convert": cmd_convert}
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve, "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm import tqdm
 

@@ -102,7 +102,7 @@ def test_draft_kv_equals_running_draft_from_scratch(tiny_dirs):
     rejected_somewhere = False
     for rid in ids:
         seq = eng.scheduler.by_request[rid]
-        rejected_somewhere |= eng.requests[rid].stats.num_accepted_tokens < eng.requests[rid].stats.num_draft_tokens
+        rejected_somewhere |= eng.requests[rid].state.stats.num_accepted_tokens < eng.requests[rid].state.stats.num_draft_tokens
         tokens = seq.tokens
         # Fresh pool, same model: run the draft over the accepted sequence in one prefill.
         fresh = proposer.draft.model.new_kv_pool(64, 4)

@@ -1,0 +1,189 @@
+"""The daemon: starts the tokenizer, scheduler and executor processes, waits until they are
+ready, serves until SIGINT/SIGTERM, and shuts them down without leaving any behind.
+
+    with Daemon(EngineConfig(), "tcp://127.0.0.1:*") as d:   # "*": any free port
+        print(d.endpoint)                                     # where clients connect
+
+Startup: the model is converted (once, cached) and its limits read here, then the three
+children are spawned with a `ServeSpec`; each binds its input socket and reports `Ready`
+(or `FatalError`) on the daemon's control socket. If a child dies while serving, the
+tokenizer is told so that every in-flight request gets an error, and the daemon exits
+non-zero with the reason (a supervisor restarts it).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import signal
+import sys
+import threading
+import time
+
+import zmq
+
+from overlap.config import EngineConfig, ModelConfig
+from overlap.models.loading import load_tokenizer, read_model_config, resolve_model_dir
+from runtime import ipc
+from runtime.executor_proc import run_executor_process
+from runtime.frontend import RequestLimits, eos_token_ids
+from runtime.messages import FatalError, Ready
+from runtime.procs import ServeSpec
+from runtime.scheduler_proc import run_scheduler_process
+from runtime.tokenizer_proc import run_tokenizer_process
+
+DEFAULT_ADDRESS = "tcp://127.0.0.1:5557"
+ROLES = {"executor": run_executor_process, "scheduler": run_scheduler_process,
+         "tokenizer": run_tokenizer_process}
+log = logging.getLogger("overlap.daemon")
+
+
+class DaemonError(RuntimeError):
+    pass
+
+
+class Daemon:
+    def __init__(self, config: EngineConfig, address: str = DEFAULT_ADDRESS, ready_timeout_s: float = 900.0,
+                 max_waiting: int = 1024):
+        self.config = config
+        self.address = address
+        self.ready_timeout_s = ready_timeout_s
+        self.max_waiting = max_waiting
+        self.endpoint: str | None = None
+        self.procs: dict[str, mp.Process] = {}
+        self._ctx = zmq.Context()
+        self._root: str | None = None
+        self._control: zmq.Socket | None = None
+        self._stop = threading.Event()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> "Daemon":
+        # 1. model and limits, before any process starts (conversion is cached)
+        model_dir = str(resolve_model_dir(self.config.model, progress=True))
+        model_cfg = ModelConfig.from_hf(read_model_config(model_dir))
+        tokenizer = load_tokenizer(model_dir)
+        addresses, self._root = ipc.Addresses.private(self.address)
+        spec = ServeSpec(self.config, model_dir, self.config.model or "SmolLM2-135M-Instruct (shipped)",
+                         eos_token_ids(model_cfg, tokenizer), RequestLimits.of(self.config, model_cfg),
+                         addresses, self.max_waiting)
+        self._control = ipc.pull(self._ctx, addresses.daemon)
+        self._addresses = addresses
+        # 2. the three children; spawn, not fork: a forked copy of a process that has
+        #    touched torch or a zmq context is not safe to use.
+        spawn = mp.get_context("spawn")
+        for role, entry in ROLES.items():
+            proc = spawn.Process(target=entry, args=(spec,), name=f"overlap-{role}")
+            proc.start()
+            self.procs[role] = proc
+        # 3. wait until every child said it is ready
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        ready: set[str] = set()
+        deadline = time.monotonic() + self.ready_timeout_s
+        while ready != set(ROLES):
+            if time.monotonic() > deadline:
+                raise DaemonError(f"processes not ready after {self.ready_timeout_s:.0f} s: "
+                                  f"{sorted(set(ROLES) - ready)}")
+            if self._stop.is_set():
+                raise DaemonError("interrupted while starting")
+            msg = self._poll_control(0.2)
+            if isinstance(msg, FatalError):
+                raise DaemonError(msg.message)
+            if isinstance(msg, Ready):
+                ready.add(msg.role)
+                if msg.role == "tokenizer":
+                    self.endpoint = msg.endpoint
+                log.info("%s ready (pid %d)", msg.role, msg.pid)
+            dead = self._dead_child()
+            if dead:
+                raise DaemonError(f"{dead} process exited during startup "
+                                  f"(exit code {self.procs[dead].exitcode}); see its log above")
+
+    def _poll_control(self, timeout_s: float):
+        if not self._control.poll(int(timeout_s * 1000)):
+            return None
+        try:
+            return ipc.decode_to_daemon(self._control.recv())
+        except ipc.BadMessage as e:
+            log.warning("dropped a malformed control message: %s", e)
+            return None
+
+    def _dead_child(self) -> str | None:
+        return next((role for role, p in self.procs.items() if not p.is_alive()), None)
+
+    def wait(self) -> int:
+        """Serve until `request_stop()` (0) or a child fails (1)."""
+        while not self._stop.is_set():
+            msg = self._poll_control(0.5)
+            reason = msg.message if isinstance(msg, FatalError) else None
+            dead = self._dead_child()
+            if dead and reason is None:
+                reason = f"{dead} process died (exit code {self.procs[dead].exitcode})"
+            if reason:
+                log.error("%s; shutting down", reason)
+                self._tell_tokenizer(reason)
+                return 1
+        return 0
+
+    def _tell_tokenizer(self, reason: str) -> None:
+        """In-flight requests get an error now rather than waiting for their timeout."""
+        if self.procs["tokenizer"].is_alive():
+            sock = ipc.push(self._ctx, self._addresses.tokenizer)
+            sock.send(ipc.encode(FatalError("daemon", f"server failure: {reason}")))
+            sock.close(linger=2000)
+            time.sleep(0.2)  # let the tokenizer send the errors before it is stopped
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every child, then SIGKILL what is still there; remove the sockets."""
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for role, proc in self.procs.items():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                log.warning("%s did not stop in %.0f s: killing it", role, timeout_s)
+                proc.kill()
+                proc.join()
+        if self._control is not None:
+            self._control.close(linger=0)
+        self._ctx.destroy(linger=0)
+        if self._root:
+            ipc.remove_private(self._root)
+            self._root = None
+
+    def __enter__(self) -> "Daemon":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve(config: EngineConfig, address: str = DEFAULT_ADDRESS, max_waiting: int = 1024) -> int:
+    """`overlap serve`: run until SIGINT/SIGTERM; the exit code says whether a child failed."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s daemon %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    if "127.0.0.1" not in address and "localhost" not in address and not address.startswith("ipc://"):
+        log.warning("listening on %s: beyond loopback, anyone who can reach it can use the server", address)
+    daemon = Daemon(config, address, max_waiting=max_waiting)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: daemon.request_stop())
+    try:
+        daemon.start()
+        log.info("serving %s (spec: %s) on %s", config.model or "the shipped model", config.spec.method,
+                 daemon.endpoint)
+        code = daemon.wait()
+    finally:
+        log.info("shutting down")
+        daemon.stop()
+    return code

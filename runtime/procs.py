@@ -1,0 +1,91 @@
+"""What every process shell does the same way: name itself, die with its parent, leave
+Ctrl-C to the daemon, and report a fatal error upstream instead of hanging."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import zmq
+
+from overlap.config import EngineConfig
+
+from runtime import ipc
+from runtime.frontend import RequestLimits
+from runtime.messages import FatalError, Ready
+
+PR_SET_PDEATHSIG = 1
+
+
+def become_child(role: str) -> logging.Logger:
+    """Call first thing in a child process's entry point."""
+    import setproctitle
+
+    setproctitle.setproctitle(f"overlap::{role}")
+    parent = os.getppid()
+    # Linux delivers SIGTERM to us when the daemon dies, even by SIGKILL: no orphans.
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (AttributeError, OSError):
+        _watch_parent(parent)  # not Linux: poll instead
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+    # Ctrl-C reaches the whole process group; the daemon alone decides how to shut down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_once)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    return logging.getLogger(f"overlap.{role}")
+
+
+def _exit_once(*_) -> None:
+    # Unwind (closing sockets in `finally` blocks) on the first SIGTERM; a second one while
+    # unwinding must not interrupt the cleanup with another SystemExit.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(0)
+
+
+def _watch_parent(parent: int) -> None:
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def report_ready(ctx: zmq.Context, daemon_address: str, role: str, endpoint: str = "") -> None:
+    sock = ipc.push(ctx, daemon_address)
+    sock.send(ipc.encode(Ready(role, os.getpid(), endpoint)))
+    sock.close()
+
+
+def report_fatal(ctx: zmq.Context, addresses: list[str], role: str, error: BaseException,
+                 log: logging.Logger) -> None:
+    """Tell the daemon (and whoever holds in-flight requests) why this process is ending."""
+    log.error("fatal: %s\n%s", error, "".join(traceback.format_exception(error)))
+    msg = ipc.encode(FatalError(role, f"{role} process failed: {error!r}"))
+    for address in addresses:
+        sock = ipc.push(ctx, address)
+        sock.send(msg)
+        sock.close(linger=1000)
+
+
+@dataclass(frozen=True)
+class ServeSpec:
+    """What the daemon hands each child process (pickled by multiprocessing at spawn)."""
+
+    config: EngineConfig
+    model_dir: str  # the converted HF-style directory (conversion is done once, by the daemon)
+    model_name: str
+    eos_token_ids: tuple[int, ...]
+    limits: RequestLimits  # what a request may ask for (validated by the tokenizer process)
+    addresses: ipc.Addresses
+    max_waiting: int = 1024  # admission queue bound (the scheduler refuses beyond it)
