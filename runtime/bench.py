@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import msgspec
 import numpy as np
 import torch
 
@@ -107,6 +108,12 @@ class EngineClient:
         self.engine = engine
         self.finished: dict[str, dict] = {}  # request id -> stats, until drive() collects them
 
+    def warm_up(self, prompt_ids: list[int]) -> None:
+        self.engine.generate([prompt_ids], SamplingParams(max_tokens=4))
+
+    def counters(self) -> dict:
+        return self.engine.stats()
+
     def add(self, prompt_ids: list[int], params: SamplingParams) -> str:
         return self.engine.add_request(prompt_ids, params)
 
@@ -122,6 +129,66 @@ class EngineClient:
 
     def stats(self, request_id: str) -> dict | None:
         return self.finished.pop(request_id, None)
+
+
+class ServerClient:
+    """A running daemon (through the ZeroMQ client library) as a StreamClient. `spec_on`
+    False runs the server's requests without speculation (the "none" variant)."""
+
+    def __init__(self, address: str, spec_on: bool, timeout: float = 600.0):
+        from runtime.client import Client
+
+        self.client = Client(address, timeout=timeout)
+        self.spec_on = spec_on
+        self.finished: dict[str, dict] = {}
+
+    def warm_up(self, prompt_ids: list[int]) -> None:
+        self.client.generate(prompt_ids, max_tokens=4, spec=self.spec_on)
+
+    def add(self, prompt_ids: list[int], params: SamplingParams) -> str:
+        return self.client.submit(prompt_ids, params=msgspec.structs.replace(params, spec=self.spec_on))
+
+    def step(self) -> list[Delta]:
+        from runtime.client import _raise
+        from runtime.messages import Error
+
+        deltas = []
+        for msg in self.client.next_deltas():
+            if isinstance(msg, Error):
+                _raise(msg)
+            if msg.finish_reason:
+                self.finished[msg.request_id] = msg.stats or {}
+            deltas.append(Delta(msg.request_id, msg.text, msg.token_ids, msg.finish_reason))
+        return deltas
+
+    def stats(self, request_id: str) -> dict | None:
+        return self.finished.pop(request_id, None)
+
+    def counters(self) -> dict:
+        return self.client.stats()
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def device_timing(before: dict, after: dict) -> dict | None:
+    """The executor's device/host timing over one run (difference of its cumulative counters):
+    how much of the time between steps the device sat idle, and how much of the host's
+    planning (scheduling, messaging, prepare) ran while the device was still busy."""
+    keys = ("timed_steps", "device_busy_s", "device_idle_s", "plan_s", "hidden_plan_s")
+    if not all(k in after for k in keys):
+        return None
+    d = {k: after[k] - before.get(k, 0) for k in keys}
+    steps = d["timed_steps"]
+    device = d["device_busy_s"] + d["device_idle_s"]
+    return {
+        "steps": steps,
+        "device_idle_fraction": d["device_idle_s"] / device if device else None,
+        "busy_ms_per_step": d["device_busy_s"] * 1e3 / steps if steps else None,
+        "idle_ms_per_step": d["device_idle_s"] * 1e3 / steps if steps else None,
+        "plan_ms_per_step": d["plan_s"] * 1e3 / steps if steps else None,
+        "plan_hidden_fraction": d["hidden_plan_s"] / d["plan_s"] if d["plan_s"] else None,
+    }
 
 
 @dataclass
@@ -265,36 +332,48 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=not enabled, leave=False)
 
 
-def encode_prompts(engine: Engine, prompts: list[Prompt]) -> list[list[int]]:
+def encode_prompts(tokenizer, max_model_len: int, prompts: list[Prompt]) -> list[list[int]]:
     """Raw prompt text → ids (no chat template); refuse prompts that leave no room to generate."""
-    ids = [engine.encode(p.text) for p in prompts]
+    ids = [tokenizer.encode(p.text) for p in prompts]
     for i, p in enumerate(ids):
-        if len(p) >= engine.max_model_len:
+        if len(p) >= max_model_len:
             raise RequestError(f"prompt {i + 1}", f"{len(p)} tokens does not fit the context of "
-                                                  f"{engine.max_model_len} tokens")
+                                                  f"{max_model_len} tokens")
     return ids
 
 
-def bench_variant(engine: Engine, prompt_ids: list[list[int]], max_tokens: int,
+def bench_variant(client, prompt_ids: list[list[int]], max_tokens: int,
                   concurrencies: list[int], label: str, progress: bool = True,
                   kinds: list[str | None] | None = None) -> list[dict]:
-    """One engine, every concurrency: metrics and per-prompt outputs per concurrency."""
+    """One client (engine or server), every concurrency: metrics and outputs per concurrency."""
     kinds = kinds or [None] * len(prompt_ids)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=False)
     # Warm-up: first-call costs (allocator, kernels, lazy imports) stay out of the timings.
-    engine.generate([prompt_ids[0]], SamplingParams(max_tokens=4))
-    client = EngineClient(engine)
+    client.warm_up(prompt_ids[0])
     runs = []
     for c in concurrencies:
+        before = client.counters()
         with _progress(len(prompt_ids), f"{label} c={c}", progress) as bar:
             traces, wall = drive(client, prompt_ids, params, c, on_finish=bar.update)
         rates = [r for r in map(decode_tokens_per_s, traces) if r is not None]
         runs.append({"concurrency": c, **summarize(traces, wall),
                      "decode_tokens_per_s": float(np.mean(rates)) if rates else None,
                      **acceptance([t.stats for t in traces]), "by_kind": by_kind(traces, kinds),
+                     "device": device_timing(before, client.counters()),
                      "outputs": [{"kind": k, "token_ids": t.token_ids, "finish_reason": t.finish_reason,
                                   "stats": t.stats} for t, k in zip(traces, kinds)]})
     return runs
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One column of the comparison: an in-process engine built from `config`, or (with
+    `server`) the daemon at that address, whose requests speculate when `spec_on`."""
+
+    label: str
+    config: EngineConfig
+    server: str | None = None
+    spec_on: bool = True
 
 
 def compare_outputs(ours: list[list[int]], ref: list[list[int]], exact: bool = False) -> dict:
@@ -309,15 +388,16 @@ def compare_outputs(ours: list[list[int]], ref: list[list[int]], exact: bool = F
     return {"identical": identical, "compared": len(prefixes), "common_prefix": prefixes}
 
 
-def run_bench(variants: list[tuple[str, EngineConfig]], prompts: list[str | Prompt], max_tokens: int,
+def run_bench(variants: list[Variant | tuple[str, EngineConfig]], prompts: list[str | Prompt], max_tokens: int,
               concurrencies: list[int], compare_hf: bool = False, progress: bool = True,
               make_engine: Callable[[EngineConfig], Engine] = Engine) -> dict:
-    """Benchmark each (label, config) in turn; speedups and identical outputs are relative to
-    the first variant.
+    """Benchmark each variant in turn; speedups and identical outputs are relative to the
+    first variant.
 
     The HF reference and the bandwidth efficiency use the first variant at the lowest
     concurrency (1 unless the caller left it out).
     """
+    variants = [v if isinstance(v, Variant) else Variant(*v) for v in variants]
     prompts = [p if isinstance(p, Prompt) else Prompt(p) for p in prompts]
     kinds = [p.kind for p in prompts]
     base_c = min(concurrencies)
@@ -332,23 +412,36 @@ def run_bench(variants: list[tuple[str, EngineConfig]], prompts: list[str | Prom
         "hf": None,
     }
     prompt_ids: list[list[int]] | None = None
-    model_dir = None
-    for label, config in variants:
-        # 1. build the engine and run every concurrency on it
-        engine = make_engine(config)
-        prompt_ids = prompt_ids or encode_prompts(engine, prompts)
-        runs = bench_variant(engine, prompt_ids, max_tokens, concurrencies, label, progress, kinds)
-        wbytes = weight_bytes(engine.model)
-        if model_dir is None:
-            model_dir = resolve_model_dir(config.model, progress=progress)  # cached: no reconversion
-        del engine  # free its weights and KV pool before the next variant loads
-        # 2. bandwidth floor for this variant's dtype
-        floor_ms = wbytes / report["bandwidth"]["copy_bytes_per_s"] * 1e3
+    model_dir = resolve_model_dir(variants[0].config.model, progress=progress)  # cached: no reconversion
+    for v in variants:
+        # 1. the engine or the server connection, and every concurrency on it
+        wbytes = None
+        if v.server is None:
+            engine = make_engine(v.config)
+            client = EngineClient(engine)
+            prompt_ids = prompt_ids or encode_prompts(engine.tokenizer, engine.max_model_len, prompts)
+            wbytes = weight_bytes(engine.model)
+        else:
+            client = ServerClient(v.server, v.spec_on)
+            if prompt_ids is None:
+                from overlap.models.loading import load_tokenizer
+
+                prompt_ids = encode_prompts(load_tokenizer(model_dir), v.config.scheduler.max_model_len, prompts)
+        try:
+            runs = bench_variant(client, prompt_ids, max_tokens, concurrencies, v.label, progress, kinds)
+        finally:
+            if v.server is not None:
+                client.close()
+            else:
+                engine.close()
+        del client  # free the engine's weights and KV pool before the next variant loads
+        # 2. bandwidth floor for this variant's dtype (in-process variants: we know the weights)
+        floor_ms = wbytes / report["bandwidth"]["copy_bytes_per_s"] * 1e3 if wbytes else None
         measured = next(r for r in runs if r["concurrency"] == base_c)["itl_mean_ms"]
         report["variants"].append({
-            "label": label, "engine_config": dataclasses.asdict(config), "runs": runs,
-            "weight_bytes": wbytes, "floor_ms_per_token": floor_ms,
-            "ms_per_token": measured, "bandwidth_efficiency": floor_ms / measured if measured else None,
+            "label": v.label, "engine_config": dataclasses.asdict(v.config), "server": v.server, "runs": runs,
+            "weight_bytes": wbytes, "floor_ms_per_token": floor_ms, "ms_per_token": measured,
+            "bandwidth_efficiency": floor_ms / measured if measured and floor_ms else None,
         })
     # 3. speedup and output agreement against the first variant, per concurrency
     base = {r["concurrency"]: r for r in report["variants"][0]["runs"]}
@@ -387,10 +480,18 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _device_cells(d: dict | None) -> list[str]:
+    if not d:
+        return ["-", "-", "-"]
+    pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+    return [pct(d["device_idle_fraction"]), _fmt(d["plan_ms_per_step"], ".2f"), pct(d["plan_hidden_fraction"])]
+
+
 def format_report(report: dict) -> str:
     """The terminal table: one row per (variant, concurrency), then bandwidth and HF lines."""
-    header = ["spec", "conc", "reqs", "out tok", "wall s", "tok/s", "req/s", "TTFT p50 ms",
-              "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "speedup", "acc len", "acc/pos", "identical"]
+    header = ["variant", "conc", "reqs", "out tok", "wall s", "tok/s", "req/s", "TTFT p50 ms",
+              "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "speedup", "acc len", "acc/pos", "identical",
+              "dev idle", "plan ms", "hidden"]
     rows, kind_lines = [], []
     for v in report["variants"]:
         for r in v["runs"]:
@@ -401,7 +502,8 @@ def format_report(report: dict) -> str:
                          _fmt(r["itl_p99_ms"]), _fmt(r["speedup"], ".2f") + "x",
                          _fmt(r.get("acceptance_length"), ".2f"),
                          " ".join(f"{x:.2f}" for x in r.get("acceptance_per_position") or []) or "-",
-                         f"{same['identical']}/{same['compared']}" if same else "-"])
+                         f"{same['identical']}/{same['compared']}" if same else "-",
+                         *_device_cells(r.get("device"))])
             if r.get("by_kind"):
                 kind_lines.append(f"  {v['label']} c={r['concurrency']}: " + " | ".join(
                     f"{k} (n={m['requests']}) acc len {_fmt(m['acceptance_length'], '.2f')}, "
@@ -410,6 +512,9 @@ def format_report(report: dict) -> str:
     if len(report["variants"]) > 1:
         out.append(f"identical: token ids equal to {report['variants'][0]['label']}'s at the same "
                    f"concurrency (greedy speculation must match exactly)")
+    out.append("dev idle: share of device time idle between and inside steps (waiting for the host); "
+               "plan ms: host time per step from one step's ids to the next step's launch; hidden: "
+               "share of it that ran while the device was busy")
     if kind_lines:
         out += ["by prompt kind (per-request decode tok/s, averaged):", *kind_lines]
     out.append("")
@@ -417,6 +522,8 @@ def format_report(report: dict) -> str:
     c = min(report["config"]["concurrency"])
     out.append(f"memory bandwidth: {bw / 1e9:.2f} GB/s ({report['bandwidth']['method']})")
     for v in report["variants"]:
+        if v["weight_bytes"] is None:
+            continue  # a server variant: its weights live in another process
         out.append(f"[{v['label']}] weights {v['weight_bytes'] / 1e6:.1f} MB/token "
                    f"({v['engine_config']['dtype']}) -> floor {v['floor_ms_per_token']:.2f} ms/token; "
                    f"measured {_fmt(v['ms_per_token'], '.2f')} ms/token (mean ITL, c={c}); "

@@ -5,6 +5,10 @@
     overlap generate "def fib(n):" --spec ngram --num-spec-tokens 4 --json
     overlap bench --prompts prompts/dev.jsonl --num-prompts 4 --concurrency 1 4 --compare-hf
     overlap bench --prompts prompts/dev.jsonl --spec none draft ngram --num-spec-tokens 4
+    overlap bench --prompts prompts/dev.jsonl --spec none draft --no-overlap
+    overlap serve --config configs/smollm2-135m-draft.toml --zmq tcp://127.0.0.1:5557
+    overlap generate "def fib(n):" --server tcp://127.0.0.1:5557
+    overlap bench --prompts prompts/dev.jsonl --server tcp://127.0.0.1:5557 --spec none draft --compare-inprocess
     overlap convert [MODEL.gguf] [--out DIR]
 
 Bad input (an empty prompt, --max-tokens 0, a missing model or prompts file, a prompt longer
@@ -20,6 +24,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+import msgspec
 
 from overlap.config import EngineConfig, default_draft_dir, load_config
 from overlap.models.loading import ModelNotFoundError, default_gguf_path
@@ -80,7 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object {text, token_ids, finish_reason, stats} instead of streaming")
     gen.add_argument("--spec", choices=SPEC_METHODS, metavar="MODE",
-                     help="speculative decoding: none | draft | ngram (default: the config's, none)")
+                     help="speculative decoding: none | draft | ngram (default: the config's, none); "
+                          "with --server: none switches it off for this request, else it must be the server's")
+    gen.add_argument("--server", metavar="ADDRESS",
+                     help="run on an `overlap serve` daemon (e.g. tcp://127.0.0.1:5557) instead of in process")
+    gen.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                     help="with --server: seconds to wait for each reply (default: 300)")
     _add_engine_options(gen)
 
     bench = sub.add_parser("bench", help="throughput/latency benchmark over a JSONL prompt file")
@@ -97,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--spec", choices=SPEC_METHODS, nargs="+", metavar="MODE",
                        help="speculative modes to compare, one engine each: none draft ngram "
                             "(default: the config's, none); speedups are over the first (none if given)")
+    bench.add_argument("--server", metavar="ADDRESS",
+                       help="benchmark an `overlap serve` daemon through the client library; --spec may "
+                            "then be none (speculation off per request) and/or the server's own mode")
+    bench.add_argument("--compare-inprocess", action="store_true",
+                       help="with --server: also run the in-process engine (same config) in this run")
+    bench.add_argument("--no-overlap", action="store_true",
+                       help="also run each in-process mode with overlap off (plan only after the "
+                            "previous step finished), side by side")
     _add_engine_options(bench)
 
     srv = sub.add_parser("serve", help="run the server: tokenizer, scheduler and executor processes")
@@ -186,6 +205,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=list(args.stop))
     params.validate()
+    if args.server:
+        return _generate_on_server(args, params)
     engine = make_engine(engine_config(args, args.spec))
     # 2. one JSON object at the end ...
     if args.json:
@@ -197,8 +218,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
                           "finish_reason": result.finish_reason, "stats": stats}))
         return 0
     # 3. ... or stream each delta as it arrives
+    return _print_stream(engine.stream(args.prompt, params, chat=args.chat))
+
+
+def _print_stream(deltas) -> int:
     start, first, tokens, finish, last = time.perf_counter(), None, 0, None, "\n"
-    for delta in engine.stream(args.prompt, params, chat=args.chat):
+    for delta in deltas:
         if delta.token_ids and first is None:
             first = time.perf_counter()
         tokens += len(delta.token_ids)
@@ -217,6 +242,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _server_spec(client, wanted: str | None) -> bool:
+    """Whether requests speculate on the server: `none` turns it off per request; any other
+    mode must be the one the server runs (it is fixed when the daemon starts)."""
+    served = client.health(timeout=min(client.timeout, 30.0))["spec"]
+    if wanted not in (None, "none", served):
+        raise ValueError(f"the server runs --spec {served}; a request can only use it or none")
+    return wanted != "none"
+
+
+def _generate_on_server(args: argparse.Namespace, params: SamplingParams) -> int:
+    from runtime.client import Client, ClientTimeout, ServerError
+
+    messages = [{"role": "user", "content": args.prompt}] if args.chat else None
+    prompt = None if args.chat else args.prompt
+    try:
+        with Client(args.server, timeout=args.timeout) as client:
+            params = msgspec.structs.replace(params, spec=_server_spec(client, args.spec))
+            if args.json:
+                r = client.generate(prompt, messages=messages, params=params)
+                print(json.dumps({"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+                                  "stats": r.stats}))
+                return 0
+            return _print_stream(client.stream(prompt, messages=messages, params=params))
+    except ClientTimeout as e:
+        raise ConnectionError(f"{e} (is `overlap serve` running there?)") from None
+    except ServerError as e:
+        raise RequestError(e.field or "server", e.message) from None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from runtime.bench import format_report, load_prompts, run_bench, write_report
 
@@ -225,9 +279,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = load_prompts(args.prompts, args.num_prompts)
     # One (label, config) per mode, in the order given but with "none" first: the first
     # variant is the baseline for speedups and for the identical-outputs check.
-    modes = list(dict.fromkeys(args.spec or [engine_config(args).spec.method]))
-    modes.sort(key=lambda m: m != "none")
-    variants = [(mode, engine_config(args, mode)) for mode in modes]
+    variants = _bench_variants(args)
     report = run_bench(variants, prompts, args.max_tokens, args.concurrency, compare_hf=args.compare_hf,
                        make_engine=make_engine)
     print(format_report(report))
@@ -244,6 +296,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.no_overlap:
         config = dataclasses.replace(config, overlap=False)
     return serve(config, args.zmq, max_waiting=args.max_waiting)
+
+
+def _bench_variants(args: argparse.Namespace) -> list:
+    """One Variant per mode (none first: it is the baseline for speedups and the identical-
+    outputs check); in-process, with overlap off too (--no-overlap), and/or on the server."""
+    from runtime.bench import Variant
+
+    if args.compare_inprocess and not args.server:
+        raise ValueError("--compare-inprocess needs --server")
+    if args.server:
+        from runtime.client import Client
+
+        with Client(args.server, timeout=30) as client:
+            served = client.health()["spec"]
+        modes = list(dict.fromkeys(args.spec or [served]))
+        bad = [m for m in modes if m not in ("none", served)]
+        if bad:
+            raise ValueError(f"the server runs --spec {served}; --spec {' '.join(bad)} cannot be benchmarked on it")
+    else:
+        modes = list(dict.fromkeys(args.spec or [engine_config(args).spec.method]))
+    modes.sort(key=lambda m: m != "none")
+    variants = []
+    if not args.server or args.compare_inprocess:
+        for mode in modes:
+            config = engine_config(args, mode)
+            variants.append(Variant(mode, config))
+            if args.no_overlap:
+                variants.append(Variant(f"{mode} no-overlap", dataclasses.replace(config, overlap=False)))
+    if args.server:
+        # The server's own config decides its engine; ours only names the model for tokenizing.
+        variants += [Variant(f"{mode} @server", engine_config(args, None), args.server, mode != "none")
+                     for mode in modes]
+    return variants
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -277,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     try:
         return COMMANDS[args.command](args)
-    except (RequestError, ModelNotFoundError, ValueError, FileNotFoundError) as e:
+    except (RequestError, ModelNotFoundError, ValueError, FileNotFoundError, ConnectionError) as e:
         message = " ".join(str(e).splitlines())
         print(f"overlap: error: {message}", file=sys.stderr)
         return EXIT_USAGE

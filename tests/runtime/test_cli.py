@@ -219,9 +219,30 @@ def test_bench_spec_variants_none_first(prompts_file, monkeypatch):
     monkeypatch.setattr(bench, "format_report", lambda report: "")
     assert cli.main(["bench", "--prompts", str(prompts_file), "--spec", "ngram", "none", "ngram",
                      "--num-spec-tokens", "2", "--page-size", "8"]) == 0
-    assert [label for label, _ in seen] == ["none", "ngram"]
-    assert [c.spec.method for _, c in seen] == ["none", "ngram"]
-    assert all(c.spec.num_spec_tokens == 2 and c.cache.page_size == 8 for _, c in seen)
+    assert [v.label for v in seen] == ["none", "ngram"]
+    assert [v.config.spec.method for v in seen] == ["none", "ngram"]
+    assert all(v.config.spec.num_spec_tokens == 2 and v.config.cache.page_size == 8 for v in seen)
+    assert all(v.server is None and v.config.overlap for v in seen)
+
+
+def test_bench_no_overlap_adds_a_variant_per_mode(prompts_file, monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "run_bench", lambda variants, *a, **kw: seen.extend(variants) or {})
+    monkeypatch.setattr(bench, "format_report", lambda report: "")
+    assert cli.main(["bench", "--prompts", str(prompts_file), "--spec", "none", "ngram", "--no-overlap"]) == 0
+    assert [(v.label, v.config.overlap) for v in seen] == [
+        ("none", True), ("none no-overlap", False), ("ngram", True), ("ngram no-overlap", False)]
+
+
+def test_compare_inprocess_needs_server(prompts_file, capsys):
+    assert cli.main(["bench", "--prompts", str(prompts_file), "--compare-inprocess"]) == 2
+    assert "--compare-inprocess needs --server" in capsys.readouterr().err
+
+
+def test_generate_without_a_server_fails_clearly(capsys):
+    # Nothing listens on this port: the client times out and says what to check.
+    assert cli.main(["generate", "hi", "--server", "tcp://127.0.0.1:9", "--timeout", "1"]) == 2
+    assert "is `overlap serve` running there?" in capsys.readouterr().err
 
 
 # -- bench internals (no model) ------------------------------------------------------------

@@ -1,0 +1,146 @@
+"""Streams, events and EventFutures (CPU emulation; the CUDA ones on a GPU), and the pipelined
+executor: overlap on and off give the same tokens, and with overlap on the next step is
+planned while the drafter's catch-up still runs."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from overlap.config import CacheConfig, EngineConfig, SpecConfig
+from overlap.device import CpuStream, Device, DeviceError
+from overlap.futures import EventFuture
+from runtime.engine import Engine
+from runtime.messages import SamplingParams
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_stream_runs_in_order_and_events_follow_the_work():
+    stream, seen, gate = CpuStream(), [], threading.Event()
+    stream.submit(gate.wait)
+    for i in range(5):
+        stream.submit(lambda i=i: seen.append(i))
+    event = stream.record()
+    assert not event.query()  # the stream is held at the gate: the host got control back
+    gate.set()
+    event.synchronize(timeout=5)
+    assert seen == list(range(5)) and event.query()
+    later = stream.record()
+    later.synchronize(timeout=5)
+    assert later.seconds_since(event) >= 0
+    stream.close()
+
+
+def test_wait_orders_two_streams():
+    a, b, seen, gate = CpuStream(), CpuStream(), [], threading.Event()
+    a.submit(gate.wait)
+    a.submit(lambda: seen.append("a"))
+    b.wait(a.record())
+    b.submit(lambda: seen.append("b"))
+    done = b.record()
+    time.sleep(0.05)
+    assert seen == []  # b waits for a, which waits for the gate
+    gate.set()
+    done.synchronize(timeout=5)
+    assert seen == ["a", "b"]
+
+
+def test_a_failed_stream_reports_the_error_at_its_events():
+    stream, seen = CpuStream(), []
+    stream.submit(lambda: 1 / 0)
+    stream.submit(lambda: seen.append("skipped"))
+    with pytest.raises(DeviceError, match="ZeroDivisionError"):
+        stream.record().synchronize(timeout=5)
+    assert seen == []  # nothing runs after a failure
+
+
+def test_event_timeout():
+    stream, gate = CpuStream(), threading.Event()
+    stream.submit(gate.wait)
+    with pytest.raises(TimeoutError):
+        stream.record().synchronize(timeout=0.05)
+    gate.set()
+
+
+def test_event_future_blocking_and_awaited():
+    device = Device("cpu")
+    box = {}
+    device.forward.submit(lambda: box.setdefault("t", torch.arange(4) * 2))
+    copy = device.to_host(lambda: (box["t"],))
+    future = EventFuture(copy.event, lambda: copy.values[0].tolist())
+    assert future.result(timeout=5) == [0, 2, 4, 6] and future.done()
+
+    async def main():
+        device.forward.submit(lambda: box.__setitem__("t", torch.ones(2)))
+        c = device.to_host(lambda: (box["t"],))
+        return await EventFuture(c.event, lambda: c.values[0].sum().item())
+
+    assert asyncio.run(main()) == 2.0
+    device.close()
+
+
+def _tiny_engine(tiny_dirs, overlap: bool) -> Engine:
+    spec = SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(tiny_dirs["draft"]))
+    return Engine(EngineConfig(model=str(tiny_dirs["target"]), spec=spec, overlap=overlap,
+                               cache=CacheConfig(page_size=16, num_pages=256)), progress=False)
+
+
+PROMPTS = [[10, 20, 30, 40], [500, 600], [7] * 9, [1234, 99, 5, 17, 3]]
+
+
+def test_overlap_on_and_off_give_identical_greedy_outputs(tiny_dirs):
+    outs = {}
+    for overlap in (True, False):
+        eng = _tiny_engine(tiny_dirs, overlap)
+        outs[overlap] = [r.token_ids for r in eng.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))]
+        timing = eng.stats()
+        assert timing["timed_steps"] > 0 and timing["device_busy_s"] > 0
+        assert 0 <= timing["hidden_plan_s"] <= timing["plan_s"] + 1e-9
+        eng.close()
+    assert outs[True] == outs[False] and all(len(o) == 16 for o in outs[True])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_next_step_is_planned_while_the_catch_up_runs(tiny_dirs, overlap):
+    """Slow the drafter's catch-up down and record when the scheduler plans: with overlap on,
+    planning happens inside a catch-up; with it off, never."""
+    eng = _tiny_engine(tiny_dirs, overlap)
+    proposer, scheduler = eng.executor.proposer, eng.scheduler
+    catch_ups, plans = [], []
+    real_catch_up, real_schedule = proposer.catch_up, scheduler.schedule
+
+    def slow_catch_up(updates):
+        start = time.perf_counter()
+        time.sleep(0.05)
+        real_catch_up(updates)
+        catch_ups.append((start, time.perf_counter()))
+
+    def timed_schedule():
+        plans.append(time.perf_counter())
+        return real_schedule()
+
+    proposer.catch_up, scheduler.schedule = slow_catch_up, timed_schedule
+    eng.generate(PROMPTS[:2], SamplingParams(max_tokens=8, ignore_eos=True))
+    eng.executor.synchronize()
+    inside = sum(any(a < t < b for a, b in catch_ups) for t in plans)
+    assert (inside > 0) == overlap, (inside, len(plans))
+    eng.close()
+
+
+@needs_cuda
+@pytest.mark.gpu
+def test_cuda_stream_event_and_host_copy():
+    device = Device("cuda")
+    box = {}
+    device.forward.submit(lambda: box.setdefault("t", torch.arange(1 << 20, device="cuda").sum()))
+    copy = device.to_host(lambda: (box["t"],))
+    assert copy.values[0].is_pinned()
+    assert copy.get(timeout=10)[0].item() == (1 << 20) * ((1 << 20) - 1) // 2
+    start = device.forward.record()
+    device.forward.submit(lambda: torch.randn(2048, 2048, device="cuda") @ torch.randn(2048, 2048, device="cuda"))
+    end = device.forward.record()
+    end.synchronize(timeout=10)
+    assert end.seconds_since(start) > 0
