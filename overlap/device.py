@@ -118,8 +118,12 @@ class CpuStream:
     def synchronize(self) -> None:
         self.record().synchronize()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Finish the queued work and stop the thread (before the interpreter exits, so no
+        torch op is cut off mid-flight by the runtime's teardown)."""
         self._queue.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
 
 # -- CUDA ------------------------------------------------------------------------------------
@@ -165,7 +169,7 @@ class CudaStream:
     def synchronize(self) -> None:
         self.stream.synchronize()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
         pass
 
 

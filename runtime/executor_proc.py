@@ -27,6 +27,7 @@ def run_executor_process(spec: ServeSpec) -> None:
     log = become_child("executor")
     ctx = zmq.Context()
     addresses = spec.addresses
+    executor = None
     try:
         recv_from_scheduler = ipc.pull(ctx, addresses.executor)
         send_to_scheduler = ipc.push(ctx, addresses.scheduler)
@@ -41,6 +42,8 @@ def run_executor_process(spec: ServeSpec) -> None:
         report_fatal(ctx, [addresses.daemon, addresses.scheduler], "executor", e, log)
         raise SystemExit(1) from None
     finally:
+        if executor is not None:
+            executor.close()
         ctx.destroy(linger=0)
 
 
