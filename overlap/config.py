@@ -97,9 +97,18 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"  # auto | reference | flashinfer
     overlap: bool = True  # plan step N+1 while the device runs step N's drafter catch-up
+    # Decode, draft and verify steps padded to batch-size buckets and replayed as CUDA graphs:
+    # auto = on CUDA only; on = also pad on the CPU (eager: what the graphs replay, for tests).
+    graphs: str = "auto"  # auto | on | off
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+
+    @property
+    def use_graphs(self) -> bool:
+        if self.graphs not in ("auto", "on", "off"):
+            raise ValueError(f"graphs must be auto, on or off, got {self.graphs!r}")
+        return self.graphs == "on" or (self.graphs == "auto" and self.device.startswith("cuda"))
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

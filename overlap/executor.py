@@ -32,6 +32,7 @@ from overlap.batch import BatchPlan, SeqOutput, SeqWork, StepOutput
 from overlap.config import EngineConfig
 from overlap.device import Device, Event
 from overlap.futures import EventFuture
+from overlap.graphs import GraphRunner
 from overlap.kv import KVPool
 from overlap.models.llama import LlamaModel
 from overlap.sampling import SamplingTensors, probabilities, sample
@@ -46,7 +47,9 @@ class PreparedStep:
     plan: BatchPlan
     input_ids: torch.Tensor  # [T] i64
     positions: torch.Tensor  # [T] i64
-    meta: Any  # attention metadata for this step
+    meta: Any  # attention metadata for this step (None when a GraphRunner plans it)
+    attn: list[SeqAttention]  # per sequence, for a GraphRunner
+    q_len: int | None  # new tokens of every sequence when they are all equal (graph-eligible)
     logits_rows: torch.Tensor  # [S] i64: last row of every sequence that samples
     sampled: list[SeqWork]  # sequences that produce tokens, in logits_rows order
     sampling: SamplingTensors | None
@@ -122,12 +125,16 @@ class TimingTotals:
 
 class Executor:
     def __init__(self, model: LlamaModel, kv: KVPool, backend: AttentionBackend,
-                 proposer: Proposer | None = None, overlap: bool = True):
+                 proposer: Proposer | None = None, overlap: bool = True, scratch_page: int | None = None):
         self.model = model
         self.kv = kv
         self.backend = backend
         self.proposer = proposer
         self.overlap = overlap
+        # With a scratch page (a KV page the scheduler never hands out), uniform decode and
+        # verify steps run through a GraphRunner per q_len: padded to a bucket, a CUDA graph.
+        self.scratch_page = scratch_page
+        self.graphs: dict[int, GraphRunner] = {}
         self.device = model.embed_tokens.device
         self.streams = Device(self.device)
         cfg = model.cfg
@@ -218,11 +225,17 @@ class Executor:
             attn.append(SeqAttention(q_len=q_len, kv_len=s.start_pos + q_len, page_table=s.page_table))
             if s.sample:
                 rows += range(len(ids) - q_len, len(ids)) if spec else [len(ids) - 1]
+        q_lens = {a.q_len for a in attn}
+        uniform = q_lens.pop() if len(q_lens) == 1 and plan.is_decode_only else None
+        graphed = self.scratch_page is not None and uniform is not None
         return PreparedStep(
             plan=plan,
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            meta=self.backend.plan(attn, self.kv.page_size, *self._attn_dims),
+            # A graphed step is planned by its runner, into the bucket's static buffers.
+            meta=None if graphed else self.backend.plan(attn, self.kv.page_size, *self._attn_dims),
+            attn=attn,
+            q_len=uniform if graphed else None,
             logits_rows=torch.tensor(rows, dtype=torch.long, device=dev),
             sampled=sampled,
             sampling=sampling,
@@ -249,8 +262,7 @@ class Executor:
     def _launch(self, step: PreparedStep) -> LaunchedStep:
         if step.spec_ks is not None:
             return self._launch_speculative(step)
-        _, logits = self.model(step.input_ids, step.positions, self.backend, self.kv, step.meta,
-                               step.logits_rows)
+        logits = self._target_logits(step, step.input_ids)
         if step.sampling is None:
             return LaunchedStep(step, torch.empty(0, 1, dtype=torch.long, device=self.device), None, [])
         positions = torch.tensor([s.end_pos for s in step.sampled], dtype=torch.long, device=self.device)
@@ -276,7 +288,7 @@ class Executor:
             ids[torch.tensor(flat_draft, dtype=torch.long, device=dev)] = \
                 proposal.tokens.view(-1)[torch.tensor(padded_draft, dtype=torch.long, device=dev)]
         # Stage 3: verify all drafts in one target pass (q_len = k+1 per sequence).
-        _, logits = self.model(ids, step.positions, self.backend, self.kv, step.meta, step.logits_rows)
+        logits = self._target_logits(step, ids)
         padded = torch.zeros(b * (width + 1), logits.shape[-1], device=dev)
         padded[torch.tensor(padded_all, dtype=torch.long, device=dev)] = logits
         rows_st = SamplingTensors.from_seqs(seqs, dev, repeats=[width + 1] * b)
@@ -287,6 +299,16 @@ class Executor:
         # Stage 4 (recovered / bonus token) happens inside verify_chain.
         tokens, accepted = verify_chain(p, proposal.probs, proposal.tokens, num_drafts, st.seed, first)
         return LaunchedStep(step, tokens, accepted, proposal.num_drafts)
+
+    def _target_logits(self, step: PreparedStep, ids: torch.Tensor) -> torch.Tensor:
+        """The target forward → logits [len(logits_rows), V] f32, through a graph if planned so."""
+        if step.q_len is None:
+            return self.model(ids, step.positions, self.backend, self.kv, step.meta, step.logits_rows)[1]
+        runner = self.graphs.get(step.q_len)
+        if runner is None:
+            runner = self.graphs[step.q_len] = GraphRunner(self.model, self.kv, self.backend, step.q_len,
+                                                           scratch_page=self.scratch_page)
+        return runner.forward(ids, step.positions, step.attn, step.logits_rows)[1]
 
     # 3. the sync point
     def collect(self, launched: LaunchedStep, host: list[torch.Tensor] | None = None) -> StepOutput:
@@ -329,13 +351,17 @@ class Executor:
 
 
 def build_executor(config: EngineConfig, model: LlamaModel) -> Executor:
-    """The target's KV pool, the attention backend and the configured drafter around `model`."""
-    kv = model.new_kv_pool(config.cache.num_pages, config.cache.page_size)
+    """The target's KV pool, the attention backend and the configured drafter around `model`.
+    With graphs, every pool gets one page past the scheduler's: the padding rows' scratch page."""
+    num_pages = config.cache.num_pages
+    scratch = num_pages if config.use_graphs else None
+    kv = model.new_kv_pool(num_pages + (scratch is not None), config.cache.page_size)
     backend = make_backend(config.attention_backend, config.device)
-    return Executor(model, kv, backend, build_proposer(config, model), overlap=config.overlap)
+    return Executor(model, kv, backend, build_proposer(config, model, scratch), overlap=config.overlap,
+                    scratch_page=scratch)
 
 
-def build_proposer(config: EngineConfig, model: LlamaModel) -> Proposer | None:
+def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | None = None) -> Proposer | None:
     spec = config.spec
     if spec.method == "none":
         return None
@@ -346,5 +372,5 @@ def build_proposer(config: EngineConfig, model: LlamaModel) -> Proposer | None:
             raise ValueError("spec method 'draft' needs spec.draft_model (a draft directory)")
         draft = load_draft(spec.draft_model, model)
         return DraftTargetProposer(draft, make_backend(config.attention_backend, config.device),
-                                   config.cache.num_pages, config.cache.page_size)
+                                   config.cache.num_pages, config.cache.page_size, scratch_page)
     raise ValueError(f"unknown spec method {spec.method!r} (none | draft | ngram)")

@@ -66,6 +66,21 @@ class _WrapperSet:
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout="NHD")
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="NHD")
         self.plan_id = -1
+        self.copied: torch.cuda.Event | None = None  # fires when this set's last plan was copied
+
+    def reuse(self) -> None:
+        """Wait until the device has run the copies of this set's previous plan. plan() stages
+        its schedule in the wrapper's one pinned host buffer and copies it non_blocking: if
+        the device lags PLAN_SLOTS plans behind (the draft plans k-1 steps in a row), a new
+        plan would overwrite that buffer before the old copy has read it. A host wait only
+        in that case; normally the event fired long ago."""
+        if self.copied is not None:
+            self.copied.synchronize()
+
+    def planned(self, device: torch.device) -> None:
+        if device.type == "cuda":  # (the CPU tests drive the planning with fake wrappers)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
 
 
 class FlashInferBackend:
@@ -96,6 +111,14 @@ class FlashInferBackend:
         self._plans += 1
         if not seqs:
             return FlashInferMetadata(slot_dev, None, slot_index, wset.plan_id, (slots_h,))
+        wset.reuse()
+        meta = self._plan_wrappers(wset, seqs, qo_indptr, kv_indptr, indices, last_len, slots_h, slot_dev,
+                                   slot_index, page_size, num_heads, num_kv_heads, head_dim, dtype)
+        wset.planned(self.device)
+        return meta
+
+    def _plan_wrappers(self, wset: _WrapperSet, seqs, qo_indptr, kv_indptr, indices, last_len, slots_h,
+                       slot_dev, slot_index, page_size, num_heads, num_kv_heads, head_dim, dtype):
 
         # 2. Host tensors, not device ones: plan() reads indptr and lengths on the host to
         #    build its schedule (device inputs would cost a device-to-host sync), then copies

@@ -18,6 +18,7 @@ import torch
 
 from overlap.attention.base import AttentionBackend, SeqAttention
 from overlap.batch import SeqWork
+from overlap.graphs import GraphRunner
 from overlap.models.llama import LlamaModel, linear
 from overlap.sampling import NOISE_DRAFT, SamplingTensors, probabilities, race
 from overlap.spec.base import CatchUp, Proposal
@@ -48,11 +49,16 @@ class DraftTargetProposer:
     name = "draft"
     on_host = False
 
-    def __init__(self, draft: DraftModel, backend: AttentionBackend, num_pages: int, page_size: int):
+    def __init__(self, draft: DraftModel, backend: AttentionBackend, num_pages: int, page_size: int,
+                 scratch_page: int | None = None):
         self.draft = draft
         self.backend = backend
-        self.kv = draft.model.new_kv_pool(num_pages, page_size)
+        self.kv = draft.model.new_kv_pool(num_pages + (scratch_page is not None), page_size)
         self.page_size = page_size
+        # The k-1 single-token draft steps of a proposal: padded to a bucket and replayed as a
+        # CUDA graph when a scratch page is given (see overlap/graphs.py).
+        self.step_runner = None if scratch_page is None else GraphRunner(
+            draft.model, self.kv, backend, 1, scratch_page=scratch_page, head=draft.logits)
         cfg = draft.model.cfg
         self._attn_dims = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, draft.model.dtype)
         self.carried: dict[int, torch.Tensor] = {}  # seq_id → [V] f32 logits for the next position
@@ -64,6 +70,14 @@ class DraftTargetProposer:
         pos = torch.tensor(positions, dtype=torch.long, device=ids.device)
         hidden, _ = self.draft.model(ids, pos, self.backend, self.kv, meta)
         return self.draft.logits(hidden[torch.tensor(last_rows, device=ids.device)])
+
+    def _step(self, ids: torch.Tensor, positions: list[int], attn: list[SeqAttention]) -> torch.Tensor:
+        """One draft token per sequence: ids [B] i64 → logits [B, V] f32."""
+        if self.step_runner is None:
+            return self._forward(ids, positions, attn, list(range(len(attn))))
+        pos = torch.tensor(positions, dtype=torch.long, device=ids.device)
+        rows = torch.arange(len(attn), device=ids.device)
+        return self.step_runner.forward(ids, pos, attn, rows)[1]
 
     def propose(self, seqs: list[SeqWork], ks: list[int], sampling: SamplingTensors) -> Proposal:
         b, width = len(seqs), max(ks)
@@ -87,8 +101,7 @@ class DraftTargetProposer:
                 break
             rows_next = [rows[j] for j in keep]
             attn = [SeqAttention(1, seqs[r].end_pos + i + 1, seqs[r].page_table) for r in rows_next]
-            logits = self._forward(d[keep], [seqs[r].end_pos + i for r in rows_next], attn,
-                                   list(range(len(rows_next))))
+            logits = self._step(d[keep], [seqs[r].end_pos + i for r in rows_next], attn)
             rows = rows_next
         return Proposal(tokens, probs, list(ks))
 
