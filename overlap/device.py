@@ -15,6 +15,7 @@ how the executor measures device busy and idle time without a host sync.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -188,6 +189,15 @@ class Device:
         else:
             self.forward = CpuStream("forward")
             self.copy = CpuStream("copy")
+
+    def issuing(self):
+        """Context for host code that creates device tensors the forward stream will read
+        (step inputs, attention plans): on CUDA their copies are queued on the forward
+        stream, so the launch that follows is ordered after them; a copy on the default
+        stream would race with the forward stream's kernels."""
+        if self.is_cuda:
+            return torch.cuda.stream(self.forward.stream)
+        return contextlib.nullcontext()
 
     def to_host(self, get: Callable[[], tuple[torch.Tensor, ...]]) -> "HostCopy":
         """Copy the tensors `get()` returns (results of work already submitted to the forward

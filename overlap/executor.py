@@ -151,7 +151,8 @@ class Executor:
 
     def submit(self, plan: BatchPlan) -> InFlightStep:
         """1-2: prepare on the host, queue the device work; returns at once."""
-        prepared = self.prepare(plan)
+        with self.streams.issuing():
+            prepared = self.prepare(plan)
         stream = self.streams.forward
         start = stream.record()
         launched = LaunchedStep(prepared, torch.empty(0), None, [])
