@@ -128,7 +128,21 @@ def build_parser() -> argparse.ArgumentParser:
                      help="requests queued beyond the running batch before new ones are refused")
     srv.add_argument("--no-overlap", action="store_true",
                      help="plan each step only after the previous one finished on the device")
+    srv.add_argument("--ws", metavar="[HOST:]PORT",
+                     help="also start the websocket bridge (and its browser page) there (host: 127.0.0.1)")
+    srv.add_argument("--token", metavar="SECRET",
+                     help="bearer token the websocket bridge requires (default: $OVERLAP_BRIDGE_TOKEN, none)")
+    srv.add_argument("--on-failure", choices=("exit", "restart"), default="exit",
+                     help="when a server process dies: exit non-zero (default) or restart the processes")
+    srv.add_argument("--max-restarts", type=_positive_int, default=3, metavar="N")
     _add_engine_options(srv)
+
+    brg = sub.add_parser("bridge", help="websocket <-> daemon streaming bridge, with a browser page")
+    brg.add_argument("--server", required=True, metavar="ADDRESS", help="the daemon's ZeroMQ address")
+    brg.add_argument("--listen", default="127.0.0.1:8765", metavar="HOST:PORT",
+                     help="where the bridge listens (default: 127.0.0.1:8765, loopback only)")
+    brg.add_argument("--token", metavar="SECRET",
+                     help="require this bearer token (default: $OVERLAP_BRIDGE_TOKEN; unset: no auth)")
 
     conv = sub.add_parser("convert", help="convert a GGUF into an HF-style directory (cached)")
     conv.add_argument("gguf", nargs="?", metavar="GGUF", help="default: the shipped model")
@@ -295,7 +309,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config(args, args.spec)
     if args.no_overlap:
         config = dataclasses.replace(config, overlap=False)
-    return serve(config, args.zmq, max_waiting=args.max_waiting)
+    ws = args.ws if args.ws is None or ":" in args.ws else f"127.0.0.1:{args.ws}"
+    if ws:
+        from runtime.ws_bridge import parse_listen
+
+        parse_listen(ws)  # a bad value fails here, before any model loads
+    return serve(config, args.zmq, max_waiting=args.max_waiting, ws_listen=ws, ws_token=args.token,
+                 on_failure=args.on_failure, max_restarts=args.max_restarts)
+
+
+def cmd_bridge(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvloop
+
+    from runtime.ws_bridge import parse_listen, run_bridge
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s bridge %(levelname)s %(message)s")
+    host, port = parse_listen(args.listen)
+    try:
+        uvloop.run(run_bridge(args.server, host, port, args.token))
+    except OSError as e:
+        raise ConnectionError(f"cannot listen on {args.listen}: {e.strerror or e}") from None
+    return 0
 
 
 def _bench_variants(args: argparse.Namespace) -> list:
@@ -352,7 +388,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve, "convert": cmd_convert}
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve, "bridge": cmd_bridge,
+            "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:

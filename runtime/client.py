@@ -129,6 +129,7 @@ class Client:
         self._inbox: dict[str, deque] = defaultdict(deque)
         self._arrived = threading.Condition()
         self._open: set[str] = set()  # requests in flight (their replies are kept)
+        self._closed = False
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -216,8 +217,8 @@ class Client:
                     finished = True
                     return
         finally:
-            if not finished:  # abandoned early (break, exception, timeout): free its pages
-                self.abort(request_id)
+            if not finished and not self._closed:  # abandoned early (break, exception, timeout)
+                self.abort(request_id)  # frees its pages on the server
             self._close_key(request_id)
 
     def next_deltas(self, timeout: float | None = None) -> list[Delta | Error]:
@@ -269,6 +270,9 @@ class Client:
         return self._ask(Stats(qid), qid, timeout).stats
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self._sock.close(linger=0)
         self._ctx.term()
 
@@ -291,6 +295,7 @@ class AsyncClient:
         self._sock.connect(address)
         self._queues: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
+        self._closed = False
 
     async def _read(self) -> None:
         while True:
@@ -347,7 +352,7 @@ class AsyncClient:
                     return
         finally:
             self._queues.pop(msg.request_id, None)
-            if not finished:
+            if not finished and not self._closed:  # abandoned early: free its pages
                 await self.abort(msg.request_id)
 
     async def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
@@ -374,6 +379,9 @@ class AsyncClient:
         return (await self._ask(Stats(qid), qid, timeout)).stats
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self._reader is not None:
             self._reader.cancel()
         self._sock.close(linger=0)

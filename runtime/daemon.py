@@ -1,14 +1,19 @@
-"""The daemon: starts the tokenizer, scheduler and executor processes, waits until they are
-ready, serves until SIGINT/SIGTERM, and shuts them down without leaving any behind.
+"""The daemon: starts the tokenizer, scheduler and executor processes (and the websocket
+bridge, if asked), waits until they are ready, serves until SIGINT/SIGTERM, and shuts them
+down without leaving any behind.
 
     with Daemon(EngineConfig(), "tcp://127.0.0.1:*") as d:   # "*": any free port
         print(d.endpoint)                                     # where clients connect
 
 Startup: the model is converted (once, cached) and its limits read here, then the three
 children are spawned with a `ServeSpec`; each binds its input socket and reports `Ready`
-(or `FatalError`) on the daemon's control socket. If a child dies while serving, the
-tokenizer is told so that every in-flight request gets an error, and the daemon exits
-non-zero with the reason (a supervisor restarts it).
+(or `FatalError`) on the daemon's control socket.
+
+When a child dies while serving, the tokenizer is told first, so every in-flight request
+gets an error at once instead of waiting for its timeout. Then, by `on_failure`:
+  "exit"     stop everything and exit non-zero with the reason (a supervisor restarts us);
+  "restart"  stop the remaining children and start a fresh set on the same client endpoint
+             (clients' ZeroMQ sockets reconnect by themselves), up to `max_restarts` times.
 """
 
 from __future__ import annotations
@@ -44,13 +49,24 @@ class DaemonError(RuntimeError):
 
 class Daemon:
     def __init__(self, config: EngineConfig, address: str = DEFAULT_ADDRESS, ready_timeout_s: float = 900.0,
-                 max_waiting: int = 1024):
+                 max_waiting: int = 1024, ws_listen: str | None = None, ws_token: str | None = None,
+                 on_failure: str = "exit", max_restarts: int = 3):
+        if on_failure not in ("exit", "restart"):
+            raise ValueError(f"on_failure must be exit or restart, got {on_failure!r}")
         self.config = config
         self.address = address
         self.ready_timeout_s = ready_timeout_s
         self.max_waiting = max_waiting
-        self.endpoint: str | None = None
+        self.ws_listen = ws_listen
+        self.ws_token = ws_token
+        self.on_failure = on_failure
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.endpoint: str | None = None  # the client endpoint as bound
+        self.ws_endpoint: str | None = None
         self.procs: dict[str, mp.Process] = {}
+        self._bridge: mp.Process | None = None
+        self._spawn = mp.get_context("spawn")  # not fork: a forked torch/zmq process is unsafe
         self._ctx = zmq.Context()
         self._root: str | None = None
         self._control: zmq.Socket | None = None
@@ -63,34 +79,47 @@ class Daemon:
         model_dir = str(resolve_model_dir(self.config.model, progress=True))
         model_cfg = ModelConfig.from_hf(read_model_config(model_dir))
         tokenizer = load_tokenizer(model_dir)
-        addresses, self._root = ipc.Addresses.private(self.address)
-        spec = ServeSpec(self.config, model_dir, self.config.model or "SmolLM2-135M-Instruct (shipped)",
-                         eos_token_ids(model_cfg, tokenizer), RequestLimits.of(self.config, model_cfg),
-                         addresses, self.max_waiting)
-        self._control = ipc.pull(self._ctx, addresses.daemon)
-        self._addresses = addresses
-        # 2. the three children; spawn, not fork: a forked copy of a process that has
-        #    touched torch or a zmq context is not safe to use.
-        spawn = mp.get_context("spawn")
-        for role, entry in ROLES.items():
-            proc = spawn.Process(target=entry, args=(spec,), name=f"overlap-{role}")
-            proc.start()
-            self.procs[role] = proc
-        # 3. wait until every child said it is ready
+        self._spec_args = (self.config, model_dir, self.config.model or "SmolLM2-135M-Instruct (shipped)",
+                           eos_token_ids(model_cfg, tokenizer), RequestLimits.of(self.config, model_cfg))
         try:
-            self._wait_ready()
+            # 2. the three children, until each said it is ready
+            self._start_children(self.address)
+            # 3. the websocket bridge, a client of the endpoint just bound
+            if self.ws_listen:
+                self._start_bridge()
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _wait_ready(self) -> None:
+    def _start_children(self, address: str) -> None:
+        addresses, self._root = ipc.Addresses.private(address)
+        self._addresses = addresses
+        self._control = ipc.pull(self._ctx, addresses.daemon)
+        spec = ServeSpec(*self._spec_args, addresses, self.max_waiting)
+        self.procs = {}
+        for role, entry in ROLES.items():
+            proc = self._spawn.Process(target=entry, args=(spec,), name=f"overlap-{role}")
+            proc.start()
+            self.procs[role] = proc
+        self._wait_ready(set(ROLES))
+
+    def _start_bridge(self) -> None:
+        from runtime.ws_bridge import run_bridge_process
+
+        self._bridge = self._spawn.Process(target=run_bridge_process, name="overlap-bridge",
+                                           args=(self.endpoint, self.ws_listen, self.ws_token,
+                                                 self._addresses.daemon))
+        self._bridge.start()
+        self.procs["bridge"] = self._bridge
+        self._wait_ready({"bridge"})
+
+    def _wait_ready(self, roles: set[str]) -> None:
         ready: set[str] = set()
         deadline = time.monotonic() + self.ready_timeout_s
-        while ready != set(ROLES):
+        while ready != roles:
             if time.monotonic() > deadline:
-                raise DaemonError(f"processes not ready after {self.ready_timeout_s:.0f} s: "
-                                  f"{sorted(set(ROLES) - ready)}")
+                raise DaemonError(f"processes not ready after {self.ready_timeout_s:.0f} s: {sorted(roles - ready)}")
             if self._stop.is_set():
                 raise DaemonError("interrupted while starting")
             msg = self._poll_control(0.2)
@@ -100,6 +129,8 @@ class Daemon:
                 ready.add(msg.role)
                 if msg.role == "tokenizer":
                     self.endpoint = msg.endpoint
+                if msg.role == "bridge":
+                    self.ws_endpoint = msg.endpoint
                 log.info("%s ready (pid %d)", msg.role, msg.pid)
             dead = self._dead_child()
             if dead:
@@ -119,22 +150,37 @@ class Daemon:
         return next((role for role, p in self.procs.items() if not p.is_alive()), None)
 
     def wait(self) -> int:
-        """Serve until `request_stop()` (0) or a child fails (1)."""
+        """Serve until `request_stop()` (0), or until a child fails and cannot be restarted (1)."""
         while not self._stop.is_set():
             msg = self._poll_control(0.5)
             reason = msg.message if isinstance(msg, FatalError) else None
             dead = self._dead_child()
             if dead and reason is None:
                 reason = f"{dead} process died (exit code {self.procs[dead].exitcode})"
-            if reason:
-                log.error("%s; shutting down", reason)
-                self._tell_tokenizer(reason)
+            if reason is None:
+                continue
+            log.error("%s", reason)
+            self._tell_tokenizer(reason)
+            if self.on_failure != "restart" or self.restarts >= self.max_restarts:
+                log.error("shutting down%s", "" if self.on_failure != "restart" else
+                          f" after {self.restarts} restarts")
                 return 1
+            self.restarts += 1
+            log.warning("restarting the server processes (%d/%d)", self.restarts, self.max_restarts)
+            self._stop_children(keep_bridge=True)
+            try:
+                self._start_children(self.endpoint)  # same endpoint: clients reconnect
+            except DaemonError as e:
+                log.error("restart failed: %s", e)
+                return 1
+            if self._bridge is not None:
+                self.procs["bridge"] = self._bridge
         return 0
 
     def _tell_tokenizer(self, reason: str) -> None:
         """In-flight requests get an error now rather than waiting for their timeout."""
-        if self.procs["tokenizer"].is_alive():
+        tokenizer = self.procs.get("tokenizer")
+        if tokenizer is not None and tokenizer.is_alive():
             sock = ipc.push(self._ctx, self._addresses.tokenizer)
             sock.send(ipc.encode(FatalError("daemon", f"server failure: {reason}")))
             sock.close(linger=2000)
@@ -143,13 +189,14 @@ class Daemon:
     def request_stop(self) -> None:
         self._stop.set()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """SIGTERM every child, then SIGKILL what is still there; remove the sockets."""
-        for proc in self.procs.values():
+    def _stop_children(self, keep_bridge: bool = False, timeout_s: float = 10.0) -> None:
+        """SIGTERM the children, then SIGKILL what is still there; remove their sockets."""
+        procs = {r: p for r, p in self.procs.items() if not (keep_bridge and r == "bridge")}
+        for proc in procs.values():
             if proc.is_alive():
                 proc.terminate()
         deadline = time.monotonic() + timeout_s
-        for role, proc in self.procs.items():
+        for role, proc in procs.items():
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 log.warning("%s did not stop in %.0f s: killing it", role, timeout_s)
@@ -157,10 +204,14 @@ class Daemon:
                 proc.join()
         if self._control is not None:
             self._control.close(linger=0)
-        self._ctx.destroy(linger=0)
+            self._control = None
         if self._root:
             ipc.remove_private(self._root)
             self._root = None
+
+    def stop(self) -> None:
+        self._stop_children()
+        self._ctx.destroy(linger=0)
 
     def __enter__(self) -> "Daemon":
         return self.start()
@@ -169,19 +220,19 @@ class Daemon:
         self.stop()
 
 
-def serve(config: EngineConfig, address: str = DEFAULT_ADDRESS, max_waiting: int = 1024) -> int:
+def serve(config: EngineConfig, address: str = DEFAULT_ADDRESS, **daemon_options) -> int:
     """`overlap serve`: run until SIGINT/SIGTERM; the exit code says whether a child failed."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s daemon %(levelname)s %(message)s",
                         stream=sys.stderr)
     if "127.0.0.1" not in address and "localhost" not in address and not address.startswith("ipc://"):
         log.warning("listening on %s: beyond loopback, anyone who can reach it can use the server", address)
-    daemon = Daemon(config, address, max_waiting=max_waiting)
+    daemon = Daemon(config, address, **daemon_options)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: daemon.request_stop())
     try:
         daemon.start()
-        log.info("serving %s (spec: %s) on %s", config.model or "the shipped model", config.spec.method,
-                 daemon.endpoint)
+        log.info("serving %s (spec: %s) on %s%s", config.model or "the shipped model", config.spec.method,
+                 daemon.endpoint, f" and {daemon.ws_endpoint}" if daemon.ws_endpoint else "")
         code = daemon.wait()
     finally:
         log.info("shutting down")

@@ -61,6 +61,9 @@ def encode_prompt(tokenizer, prompt: str | list[int] | None = None, messages: li
 
 def validate_request(ids: list[int], params: SamplingParams, limits: RequestLimits) -> None:
     params.validate(MAX_NUM_SPEC_TOKENS)
+    if params.max_tokens > limits.max_model_len:
+        raise RequestError("max_tokens", f"must be <= {limits.max_model_len} (the context length), "
+                                         f"got {params.max_tokens}")
     if not ids:
         raise RequestError("prompt", "is empty")
     if any(not 0 <= t < limits.vocab_size for t in ids):

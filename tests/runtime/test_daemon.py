@@ -7,6 +7,7 @@ the draft-target drafter, and requests with spec=False run the same server witho
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -214,13 +215,42 @@ def test_malformed_bytes_get_an_error_and_the_server_keeps_serving(daemon, clien
     assert client.health()["ok"]
 
 
+def test_malformed_bytes_on_internal_sockets_are_dropped(daemon, client, reference):
+    """The scheduler, executor and tokenizer drop (and log) what they cannot decode."""
+    ctx = zmq.Context.instance()
+    addresses = daemon._addresses
+    for address in (addresses.scheduler, addresses.executor, addresses.tokenizer):
+        sock = ipc.push(ctx, address)
+        for data in (b"\x00garbage", msgspec.msgpack.encode(["execute", 1, 2]), b""):
+            sock.send(data)
+        sock.close(linger=2000)
+    ps = prompts(3)
+    got = [client.generate(p, max_tokens=8, ignore_eos=True).token_ids for p in ps]
+    assert got == [r.token_ids for r in reference.generate(ps, SamplingParams(max_tokens=8, ignore_eos=True))]
+    assert all(p.is_alive() for p in daemon.procs.values())
+
+
 def test_duplicate_request_id_on_one_connection_is_refused(daemon):
-    with Client(daemon.endpoint, timeout=60) as c:
-        ctx_sock = c  # one connection, two requests with the same id
-        first = ctx_sock.submit([5, 6], request_id="same", max_tokens=200, ignore_eos=True)
+    with Client(daemon.endpoint, timeout=60) as c:  # one connection, two requests with one id
+        first = c.submit([5, 6], request_id="same", max_tokens=200, ignore_eos=True)
         with pytest.raises(ValueError, match="already in flight"):
-            ctx_sock.submit([5, 6], request_id="same")
+            c.submit([5, 6], request_id="same")
         c.abort(first)
+    # and the server's own check, for clients that do not keep track
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(daemon.endpoint)
+    long = Generate("dup", prompt_token_ids=pack_ids([5, 6]), params=SamplingParams(max_tokens=500, ignore_eos=True))
+    raw.send(ipc.encode(long))
+    raw.send(ipc.encode(long))
+    errors = []
+    while not errors:
+        assert raw.poll(30_000)
+        reply = ipc.decode_client_reply(raw.recv())
+        if type(reply).__name__ == "Error":
+            errors.append(reply)
+    assert errors[0].field == "request_id" and "already in flight" in errors[0].message
+    raw.close()
 
 
 # -- aborts and disconnects ------------------------------------------------------------------
@@ -279,10 +309,11 @@ def start_serve(tiny_dirs, *extra) -> tuple[subprocess.Popen, str]:
         if not line:
             raise AssertionError(f"serve exited early: {''.join(lines)}")
         lines.append(line)
-        if " on tcp://" in line and "serving" in line:
+        found = re.search(r"serving .* on (tcp://\S+)", line)
+        if found:
             # keep draining stderr so the daemon never blocks on a full pipe
             threading.Thread(target=proc.stderr.read, daemon=True).start()
-            return proc, line.rsplit(" on ", 1)[1].strip()
+            return proc, found.group(1)
     raise AssertionError("serve did not come up")
 
 
@@ -344,3 +375,32 @@ def test_executor_death_fails_in_flight_requests_and_the_daemon_exits_nonzero(ti
         wait_for(lambda: not any(alive(k) for k in kids), 10, "children to exit")
     finally:
         proc.kill()
+
+
+def test_restart_policy_keeps_serving_after_the_executor_dies(tiny_dirs):
+    proc, address = start_serve(tiny_dirs, "--on-failure", "restart", "--max-restarts", "1")
+    try:
+        executor = next(k for k in children_of(proc.pid) if process_title(k) == "overlap::executor")
+        with Client(address, timeout=120) as c:
+            stream = c.stream([5, 6, 7], max_tokens=900, ignore_eos=True)
+            next(stream)
+            os.kill(executor, signal.SIGKILL)
+            with pytest.raises(ServerUnavailable):
+                for _ in stream:
+                    pass
+            # Fresh processes on the same endpoint; this client reconnects by itself.
+            result = wait_for(lambda: _try_generate(c), 120, "the restarted server to answer")
+            assert result.finish_reason == "length" and len(result.token_ids) == 4
+            assert proc.poll() is None
+            assert executor not in children_of(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+
+
+def _try_generate(client: Client):
+    try:
+        return client.generate([5, 6, 7], max_tokens=4, ignore_eos=True, timeout=5)
+    except (ServerUnavailable, TimeoutError):
+        return None

@@ -95,3 +95,44 @@ def test_speculative_decodes_reserve_and_trim_draft_pages():
     assert len(w.page_table) * 2 >= w.start_pos + 1 + 4 + 1
     s.update(plan, StepOutput(plan.step_id, [SeqOutput(w.seq_id, [7], 4, 0)]))
     assert len(s.by_request["a"].pages) == -(-len(s.by_request["a"].tokens) // 2)
+
+
+# -- the scheduler process's core: admission bound ---------------------------------------------
+
+class _Sent:
+    """Stands in for the PUSH socket to the tokenizer: decodes what would go over the wire."""
+
+    def __init__(self):
+        self.messages = []
+
+    def send(self, data):
+        from runtime import ipc
+
+        self.messages.append(ipc.decode_to_tokenizer(data))
+
+
+def test_admission_queue_is_bounded_with_an_overloaded_error():
+    from overlap.config import CacheConfig, EngineConfig
+    from runtime.frontend import RequestLimits
+    from runtime.ipc import Addresses
+    from runtime.messages import AddRequest, RequestFailed, pack_ids
+    from runtime.procs import ServeSpec
+    from runtime.scheduler_proc import SchedulerService
+
+    config = EngineConfig(cache=CacheConfig(page_size=4, num_pages=8))
+    spec = ServeSpec(config, "unused", "m", (2,), RequestLimits(100, 64, 8, 4, 0),
+                     Addresses("a", "b", "c", "d", "e"), max_waiting=3)
+    to_tokenizer, to_executor = _Sent(), []
+
+    class Executor:
+        def send(self, data):
+            to_executor.append(data)
+
+    service = SchedulerService(spec, Executor(), to_tokenizer)
+    for i in range(5):
+        service.handle(AddRequest(f"r{i}", pack_ids([1, 2, 3]), SamplingParams(max_tokens=4), 0, 0))
+    refused = [m for m in to_tokenizer.messages if isinstance(m, RequestFailed)]
+    assert [m.request_id for m in refused] == ["r3", "r4"] and all(m.code == "overloaded" for m in refused)
+    assert len(service.scheduler.waiting) == 3
+    service.schedule()  # admitted requests leave the queue, so new ones fit again
+    assert to_executor and len(service.scheduler.waiting) < 3

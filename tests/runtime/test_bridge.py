@@ -1,0 +1,263 @@
+"""The websocket bridge and the server's robustness, against a live daemon (tiny random models,
+draft-target speculation, the bridge as a fourth process with a bearer token): streaming
+equal to the client library, cancel, auth, bad input on every entry point, a hypothesis
+fuzz of the ZeroMQ socket, disconnects freeing pages, the load-test tool, and the browser
+page in headless Chromium."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from urllib.parse import quote
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
+
+from overlap.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from runtime import ipc
+from runtime.client import Client
+from runtime.daemon import Daemon
+from runtime.messages import Generate, Health, SamplingParams, pack_ids
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "s3cret-token"
+ARTIFACTS = Path(os.environ.get("OVERLAP_ARTIFACTS", REPO / "runs" / "artifacts"))
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_dirs):
+    config = EngineConfig(model=str(tiny_dirs["target"]),
+                          spec=SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(tiny_dirs["draft"])),
+                          cache=CacheConfig(page_size=16, num_pages=256),
+                          scheduler=SchedulerConfig(max_num_seqs=16, max_batched_tokens=256))
+    d = Daemon(config, "tcp://127.0.0.1:*", ready_timeout_s=300, ws_listen="127.0.0.1:0", ws_token=TOKEN)
+    d.start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    with Client(daemon.endpoint, timeout=120) as c:
+        yield c
+
+
+def ws_connect(daemon, token=TOKEN, **kw):
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    return connect(daemon.ws_endpoint, additional_headers=headers, open_timeout=30, **kw)
+
+
+def ws_run(ws, request: dict, timeout: float = 120) -> list[dict]:
+    """Send one request; collect its messages up to done/error."""
+    ws.send(json.dumps(request))
+    got = []
+    while True:
+        msg = json.loads(ws.recv(timeout=timeout))
+        if msg.get("id") != request.get("id"):
+            continue
+        got.append(msg)
+        if msg["type"] in ("done", "error"):
+            return got
+
+
+def wait_idle(client: Client, timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = client.stats()
+        if s["free_pages"] == s["total_pages"] and s["live_requests"] == 0:
+            return s
+        time.sleep(0.1)
+    raise AssertionError(f"server not idle after {timeout_s} s: {client.stats()}")
+
+
+# -- streaming -------------------------------------------------------------------------------
+
+def test_ws_stream_equals_the_client_library(daemon, client):
+    want = client.generate("def fibonacci(n):", max_tokens=20, ignore_eos=True)
+    with ws_connect(daemon) as ws:
+        msgs = ws_run(ws, {"id": "a", "prompt": "def fibonacci(n):", "params": {"max_tokens": 20, "ignore_eos": True}})
+    assert [m["type"] for m in msgs[:-1]] == ["delta"] * (len(msgs) - 1) and len(msgs) > 2
+    done = msgs[-1]
+    assert "".join(m["text"] for m in msgs) == want.text
+    assert [t for m in msgs for t in m["token_ids"]] == want.token_ids
+    assert done["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 20
+    assert done["spec"]["drafts"] > 0 and len(done["spec"]["accepted_per_position"]) == 3
+
+
+def test_ws_chat_spec_off_and_several_requests_with_cancel(daemon, client):
+    with ws_connect(daemon) as ws:
+        ws.send(json.dumps({"id": "long", "prompt": [5, 6, 7], "params": {"max_tokens": 900, "ignore_eos": True}}))
+        short = ws_run(ws, {"id": "chat", "messages": [{"role": "user", "content": "Hi"}],
+                            "params": {"max_tokens": 6, "ignore_eos": True}, "spec": {"mode": "none"}})
+        assert short[-1]["finish_reason"] == "length" and short[-1]["spec"] is None
+        ws.send(json.dumps({"type": "cancel", "id": "long"}))
+        while True:
+            msg = json.loads(ws.recv(timeout=60))
+            if msg["id"] == "long" and msg["type"] == "done":
+                assert msg["finish_reason"] == "abort"
+                break
+    wait_idle(client)
+
+
+def test_ws_auth(daemon):
+    for token in (None, "wrong"):
+        with pytest.raises(InvalidStatus) as e:
+            ws_connect(daemon, token)
+        assert e.value.response.status_code == 401
+    # browsers cannot set headers: the token also works as a query parameter
+    with connect(f"{daemon.ws_endpoint}?token={TOKEN}", open_timeout=30) as ws:
+        assert ws_run(ws, {"id": "q", "prompt": "hi", "params": {"max_tokens": 2}})[-1]["type"] == "done"
+
+
+@pytest.mark.parametrize("request_,field", [
+    ("{not json", None),
+    ('["a list"]', None),
+    ({"id": "x", "prompt": "hi", "colour": "red"}, "colour"),
+    ({"id": "x", "prompt": "hi", "params": {"max_tokens": "many"}}, "params.max_tokens"),
+    ({"id": "x", "prompt": "hi", "params": {"max_tokens": 10**9}}, "max_tokens"),
+    ({"id": "x", "prompt": "hi", "params": {"temperature": -2}}, "temperature"),
+    ({"id": "x", "prompt": "hi", "spec": {"mode": "eagle"}}, "spec.mode"),
+    ({"id": "x", "prompt": [1, 2, 99999999]}, "prompt"),
+    ({"id": "x", "prompt": ""}, "prompt"),
+    ({"id": "x", "prompt": list(range(10, 1200))}, "prompt"),  # longer than the context
+    ({"id": "x"}, "prompt"),
+    ({"type": "launch", "id": "x"}, "type"),
+])
+def test_ws_bad_input_names_the_field_and_the_connection_keeps_serving(daemon, request_, field):
+    with ws_connect(daemon) as ws:
+        ws.send(request_ if isinstance(request_, str) else json.dumps(request_))
+        msg = json.loads(ws.recv(timeout=60))
+        assert msg["type"] == "error" and msg["message"], msg
+        assert msg["field"] == field, msg
+        ok = ws_run(ws, {"id": "ok", "prompt": "hi", "params": {"max_tokens": 3, "ignore_eos": True}})
+        assert ok[-1]["type"] == "done" and ok[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_closing_the_websocket_frees_pages(daemon, client):
+    with ws_connect(daemon) as ws:
+        ws.send(json.dumps({"id": "l", "prompt": [9, 9, 9], "params": {"max_tokens": 900, "ignore_eos": True}}))
+        assert json.loads(ws.recv(timeout=60))["type"] == "delta"
+        assert client.stats()["live_requests"] >= 1
+    wait_idle(client)
+
+
+def test_page_is_served(daemon):
+    url = daemon.ws_endpoint.replace("ws://", "http://")
+    with urllib.request.urlopen(url, timeout=30) as r:
+        assert r.headers["Content-Type"].startswith("text/html") and b"new WebSocket" in r.read()
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(url + "nope", timeout=30)
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@pytest.mark.skipif(_chromium() is None, reason="needs Chromium (Debian: apt-get install chromium)")
+def test_browser_page_streams_a_completion(daemon, client):
+    want = client.generate("def fibonacci(n):", max_tokens=24, ignore_eos=True).text
+    base = daemon.ws_endpoint.replace("ws://", "http://")
+    url = f"{base}?token={TOKEN}&autorun=1&max_tokens=24&prompt={quote('def fibonacci(n):')}"
+    chrome = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=20000"]
+    dom = subprocess.run([*chrome, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+    assert 'data-finished="length"' in dom, dom[-2000:]
+    output = dom.split('<div id="output">', 1)[1].split("</div>", 1)[0]
+    import html
+
+    assert html.unescape(output) == want
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / "bridge_page.png"
+    subprocess.run([*chrome, "--window-size=900,700", f"--screenshot={shot}", url], capture_output=True,
+                   timeout=120)
+    assert shot.is_file() and shot.stat().st_size > 1000
+
+
+# -- fuzzing the ZeroMQ socket ---------------------------------------------------------------
+
+FIELDS = ["request_id", "prompt", "messages", "prompt_token_ids", "params", "type", "query_id"]
+VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+                   st.text(max_size=40), st.binary(max_size=40),
+                   st.lists(st.integers(-5, 60000), max_size=8),
+                   st.dictionaries(st.sampled_from(["max_tokens", "temperature", "top_p", "top_k", "seed",
+                                                    "stop", "spec", "num_spec_tokens", "bogus"]),
+                                   st.one_of(st.integers(-10, 10**12), st.floats(allow_nan=True),
+                                             st.text(max_size=5), st.lists(st.text(max_size=3), max_size=3)),
+                                   max_size=4))
+VALID = ipc.encode(Generate("fuzz", prompt="hi", params=SamplingParams(max_tokens=2)))
+MESSAGES = st.one_of(
+    st.binary(max_size=200),
+    st.builds(lambda d, t: msgspec.msgpack.encode({"type": t, **d}),
+              st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=5),
+              st.sampled_from(["generate", "abort", "health", "stats", "delta", "x"])),
+    st.builds(lambda i, b: VALID[:i] + bytes([b]) + VALID[i + 1:],
+              st.integers(0, len(VALID) - 1), st.integers(0, 255)),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                    HealthCheck.too_slow])
+@given(data=MESSAGES)
+def test_fuzz_the_zmq_socket(daemon, data):
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(daemon.endpoint)
+    try:
+        raw.send(data)
+        # Every message gets an answer (an error, a reply, or a stream), or none for a valid
+        # abort of an unknown id; either way the server must still answer health checks.
+        raw.send(ipc.encode(Health("h")))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert raw.poll(30_000), "no answer"
+            reply = ipc.decode_client_reply(raw.recv())
+            if getattr(reply, "query_id", None) == "h":
+                assert reply.ok
+                break
+    finally:
+        raw.close()
+
+
+def test_after_fuzzing_the_server_is_correct_and_idle(daemon, client):
+    # Runs after the fuzz test in file order: normal service, the right tokens, no leak.
+    a = client.generate([5, 6, 7, 8], max_tokens=12, ignore_eos=True)
+    b = client.generate([5, 6, 7, 8], max_tokens=12, ignore_eos=True, spec=False)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 12
+    wait_idle(client)
+
+
+# -- the load-test tool ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", ["zmq", "ws"])
+def test_loadtest_with_disconnects_loses_nothing_and_frees_pages(daemon, client, tmp_path, path):
+    out = tmp_path / "load.json"
+    target = ["--server", daemon.endpoint] if path == "zmq" else \
+        ["--ws", f"{daemon.ws_endpoint}?token={TOKEN}", "--server", daemon.endpoint]
+    r = subprocess.run([sys.executable, "tools/loadtest.py", *target, "--requests", "40", "--concurrency", "8",
+                        "--max-tokens", "8", "--disconnect-fraction", "0.2", "--time-limit", "300",
+                        "--json", str(out)], capture_output=True, text=True, timeout=400, cwd=REPO)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(out.read_text())
+    assert report["lost"] == 0 and report["errored"] == 0
+    assert report["completed"] == 32 and report["disconnected"] == 8
+    assert report["after"]["pages_all_free"] and report["tokens_per_s"] > 0
+
+
+def test_packed_prompt_ids_through_a_raw_socket(daemon):
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(daemon.endpoint)
+    raw.send(ipc.encode(Generate("p", prompt_token_ids=pack_ids([3, 4]), params=SamplingParams(max_tokens=2))))
+    assert raw.poll(30_000)
+    assert ipc.decode_client_reply(raw.recv()).request_id == "p"
+    raw.close()
