@@ -101,9 +101,13 @@ class CpuStream:
     def submit(self, fn: Callable[[], object]) -> None:
         self._queue.put(fn)
 
-    def record(self) -> CpuEvent:
-        event = CpuEvent()
-        self._queue.put(event)
+    def record(self, event: CpuEvent | None = None) -> CpuEvent:
+        event = event or CpuEvent()
+        if threading.current_thread() is self._thread:
+            # Recorded by work running on this stream: everything before this point has run.
+            event._set(self._error)
+        else:
+            self._queue.put(event)
         return event
 
     def wait(self, event: CpuEvent) -> None:
@@ -130,9 +134,10 @@ class CpuStream:
 # -- CUDA ------------------------------------------------------------------------------------
 
 class CudaEvent:
-    def __init__(self, stream: "torch.cuda.Stream"):
+    def __init__(self, stream: "torch.cuda.Stream | None" = None):
         self.event = torch.cuda.Event(enable_timing=True)
-        self.event.record(stream)
+        if stream is not None:
+            self.event.record(stream)
 
     def query(self) -> bool:
         return self.event.query()
@@ -161,8 +166,11 @@ class CudaStream:
         with torch.cuda.stream(self.stream), torch.no_grad():
             fn()
 
-    def record(self) -> CudaEvent:
-        return CudaEvent(self.stream)
+    def record(self, event: CudaEvent | None = None) -> CudaEvent:
+        if event is None:
+            return CudaEvent(self.stream)
+        event.event.record(self.stream)
+        return event
 
     def wait(self, event: CudaEvent) -> None:
         self.stream.wait_event(event.event)
@@ -199,6 +207,31 @@ class Device:
             return torch.cuda.stream(self.forward.stream)
         return contextlib.nullcontext()
 
+    def new_event(self) -> Event:
+        """An event to record later (e.g. from inside work on a stream)."""
+        return CudaEvent() if self.is_cuda else CpuEvent()
+
+    def start_copy(self, copy: "HostCopy", tensors: tuple[torch.Tensor, ...]) -> None:
+        """From inside work on the forward stream: copy `tensors`, results computed up to this
+        point, to the host on the copy stream, while the forward stream goes on with later
+        work. `copy.event` fires when they are there."""
+        self.copy.wait(self.forward.record())
+        if not self.is_cuda:
+            self.copy.submit(lambda: copy.values.extend(tensors))
+        else:
+            with torch.cuda.stream(self.copy.stream):
+                for src in tensors:
+                    host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+                    src.record_stream(self.copy.stream)  # see to_host
+                    host.copy_(src, non_blocking=True)
+                    copy.values.append(host)
+        self.copy.record(copy.event)
+
+    def fail(self, copy: "HostCopy", error: BaseException) -> None:
+        """The work that was to start `copy` raised: its waiter gets the error, not a hang."""
+        if isinstance(copy.event, CpuEvent):
+            copy.event._set(error)
+
     def to_host(self, get: Callable[[], tuple[torch.Tensor, ...]]) -> "HostCopy":
         """Copy the tensors `get()` returns (results of work already submitted to the forward
         stream) to host memory on the copy stream. Read them after the copy's event fired."""
@@ -228,9 +261,9 @@ class Device:
 class HostCopy:
     """Host tensors on their way from the device; valid once `event` fired."""
 
-    def __init__(self) -> None:
+    def __init__(self, event: Event | None = None) -> None:
         self.values: list[torch.Tensor] = []
-        self.event: Event | None = None
+        self.event: Event | None = event
 
     def get(self, timeout: float | None = None) -> list[torch.Tensor]:
         self.event.synchronize(timeout)

@@ -30,7 +30,7 @@ from overlap.attention import make_backend
 from overlap.attention.base import AttentionBackend, SeqAttention
 from overlap.batch import BatchPlan, SeqOutput, SeqWork, StepOutput
 from overlap.config import EngineConfig
-from overlap.device import Device, Event
+from overlap.device import Device, Event, HostCopy
 from overlap.futures import EventFuture
 from overlap.graphs import GraphRunner
 from overlap.kv import KVPool
@@ -156,10 +156,19 @@ class Executor:
         stream = self.streams.forward
         start = stream.record()
         launched = LaunchedStep(prepared, torch.empty(0), None, [])
-        # Runs on the stream (a worker thread on the CPU): results land in `launched`.
-        stream.submit(lambda: self.launch(prepared, into=launched))
+        copy = HostCopy(self.streams.new_event())
+
+        def device_work() -> None:
+            # Runs on the stream (a worker thread on the CPU): results land in `launched`,
+            # and the launch starts the copy of the produced ids as soon as they exist.
+            try:
+                self.launch(prepared, into=launched, copy=copy)
+            except BaseException as e:
+                self.streams.fail(copy, e)
+                raise
+
+        stream.submit(device_work)
         done = stream.record()
-        copy = self.streams.to_host(launched.device_results)
         future = EventFuture(copy.event, lambda: self.collect(launched, copy.values))
         return InFlightStep(plan, future, time.perf_counter(), start, done)
 
@@ -253,23 +262,28 @@ class Executor:
             self.streams.forward.submit(fn)
 
     # 2. device work (runs on the forward stream)
-    def launch(self, step: PreparedStep, into: LaunchedStep | None = None) -> LaunchedStep:
-        launched = self._launch(step)
+    def launch(self, step: PreparedStep, into: LaunchedStep | None = None,
+               copy: HostCopy | None = None) -> LaunchedStep:
+        launched = self._launch(step, copy)
         if into is not None:
             into.tokens, into.num_accepted, into.num_drafts = \
                 launched.tokens, launched.num_accepted, launched.num_drafts
         return launched
 
-    def _launch(self, step: PreparedStep) -> LaunchedStep:
+    def _launch(self, step: PreparedStep, copy: HostCopy | None) -> LaunchedStep:
         if step.spec_ks is not None:
-            return self._launch_speculative(step)
+            return self._launch_speculative(step, copy)
         logits = self._target_logits(step, step.input_ids)
         if step.sampling is None:
-            return LaunchedStep(step, torch.empty(0, 1, dtype=torch.long, device=self.device), None, [])
-        positions = torch.tensor([s.end_pos for s in step.sampled], dtype=torch.long, device=self.device)
-        return LaunchedStep(step, sample(logits, step.sampling, positions)[:, None], None, [])
+            launched = LaunchedStep(step, torch.empty(0, 1, dtype=torch.long, device=self.device), None, [])
+        else:
+            positions = torch.tensor([s.end_pos for s in step.sampled], dtype=torch.long, device=self.device)
+            launched = LaunchedStep(step, sample(logits, step.sampling, positions)[:, None], None, [])
+        if copy is not None:
+            self.streams.start_copy(copy, launched.device_results())
+        return launched
 
-    def _launch_speculative(self, step: PreparedStep) -> LaunchedStep:
+    def _launch_speculative(self, step: PreparedStep, copy: HostCopy | None) -> LaunchedStep:
         seqs, ks, st = step.sampled, step.spec_ks, step.sampling
         b, dev = len(seqs), self.device
         # Stage 2: draft (host drafters already did, in prepare).
@@ -299,7 +313,10 @@ class Executor:
         first = torch.tensor([s.end_pos for s in seqs], dtype=torch.long, device=dev)
         # Stage 4 (recovered / bonus token) happens inside verify_chain.
         tokens, accepted = verify_chain(p, proposal.probs, proposal.tokens, num_drafts, st.seed, first)
-        return LaunchedStep(step, tokens, accepted, proposal.num_drafts)
+        launched = LaunchedStep(step, tokens, accepted, proposal.num_drafts)
+        if copy is not None:
+            self.streams.start_copy(copy, launched.device_results())
+        return launched
 
     def _target_logits(self, step: PreparedStep, ids: torch.Tensor) -> torch.Tensor:
         """The target forward → logits [len(logits_rows), V] f32, through a graph if planned so."""

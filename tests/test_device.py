@@ -144,3 +144,35 @@ def test_cuda_stream_event_and_host_copy():
     end = device.forward.record()
     end.synchronize(timeout=10)
     assert end.seconds_since(start) > 0
+
+
+def test_a_failing_step_raises_instead_of_hanging(tiny_dirs):
+    eng = _tiny_engine(tiny_dirs, overlap=True)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel exploded")
+
+    eng.executor.model.forward = broken
+    eng.add_request([5, 6, 7], SamplingParams(max_tokens=4))
+    with pytest.raises(DeviceError, match="kernel exploded"):
+        eng.step()
+
+
+def test_copy_started_inside_stream_work_fires_before_the_work_ends():
+    """What the no-sync MTP schedule relies on: ids copied mid-work reach the host while the
+    stream still runs the rest of that work."""
+    from overlap.device import HostCopy
+
+    device, gate, box = Device("cpu"), threading.Event(), {}
+    copy = HostCopy(device.new_event())
+
+    def work():
+        box["ids"] = torch.tensor([1, 2, 3])
+        device.start_copy(copy, (box["ids"],))
+        gate.wait(5)  # the rest of the step (the head's re-run) is still running
+
+    device.forward.submit(work)
+    assert copy.get(timeout=5)[0].tolist() == [1, 2, 3]
+    assert not gate.is_set()
+    gate.set()
+    device.forward.synchronize()
