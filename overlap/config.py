@@ -83,9 +83,10 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    method: str = "none"  # none | draft | ngram
+    method: str = "none"  # none | draft | ngram | mtp
     num_spec_tokens: int = 4
-    draft_model: str | None = None
+    draft_model: str | None = None  # draft-target: the draft model's directory
+    head: str | None = None  # mtp: the MTP head's directory (tools/train_mtp.py)
     ngram_min: int = 1
     ngram_max: int = 3
 
@@ -138,6 +139,11 @@ def default_draft_dir() -> Path:
     return Path(__file__).parent / "assets" / "smollm2-135m-draft"
 
 
+def default_head_dir() -> Path:
+    """The MTP head shipped for the default model (built by tools/train_mtp.py)."""
+    return Path(__file__).parent / "assets" / "smollm2-135m-mtp"
+
+
 def load_config(path: str | Path) -> EngineConfig:
     path = Path(path)
     with path.open("rb") as f:
@@ -145,7 +151,7 @@ def load_config(path: str | Path) -> EngineConfig:
     # Relative model paths in a config are relative to the repo root it lives in (configs/..),
     # so a config means the same files whatever directory the command runs from.
     root = path.resolve().parent.parent
-    for section, key in ((raw, "model"), (raw.get("spec", {}), "draft_model")):
+    for section, key in ((raw, "model"), (raw.get("spec", {}), "draft_model"), (raw.get("spec", {}), "head")):
         if section.get(key) and not Path(section[key]).is_absolute():
             section[key] = str((root / section[key]).resolve())
     return config_from_dict(raw)

@@ -15,10 +15,12 @@ how the executor measures device busy and idle time without a host sync.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Protocol
 
@@ -81,6 +83,7 @@ class CpuStream:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._serve, name=f"overlap-{name}", daemon=True)
         self._thread.start()
+        _live_streams.add(self)
 
     def _serve(self) -> None:
         while True:
@@ -129,6 +132,17 @@ class CpuStream:
         self._queue.put(None)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+
+# Streams not closed by their owner are stopped at exit: a worker thread still inside a torch
+# op when the interpreter tears down aborts the process ("terminate called ...").
+_live_streams: "weakref.WeakSet[CpuStream]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_streams() -> None:
+    for stream in list(_live_streams):
+        stream.close(timeout=2.0)
 
 
 # -- CUDA ------------------------------------------------------------------------------------

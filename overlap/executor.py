@@ -34,10 +34,12 @@ from overlap.device import Device, Event, HostCopy
 from overlap.futures import EventFuture
 from overlap.graphs import GraphRunner
 from overlap.kv import KVPool
+from overlap.models.heads import load_head
 from overlap.models.llama import LlamaModel
 from overlap.sampling import SamplingTensors, probabilities, sample
 from overlap.spec.base import CatchUp, Proposal, Proposer
 from overlap.spec.draft_target import DraftTargetProposer, load_draft
+from overlap.spec.mtp import MTPProposer
 from overlap.spec.ngram import NgramProposer
 from overlap.spec.rejection import verify_chain
 
@@ -49,6 +51,7 @@ class PreparedStep:
     positions: torch.Tensor  # [T] i64
     meta: Any  # attention metadata for this step (None when a GraphRunner plans it)
     attn: list[SeqAttention]  # per sequence, for a GraphRunner
+    row_starts: list[int]  # each sequence's first row in the flat batch
     q_len: int | None  # new tokens of every sequence when they are all equal (graph-eligible)
     logits_rows: torch.Tensor  # [S] i64: last row of every sequence that samples
     sampled: list[SeqWork]  # sequences that produce tokens, in logits_rows order
@@ -63,6 +66,8 @@ class LaunchedStep:
     tokens: torch.Tensor  # [S, K+1] i64 produced tokens (padding past num_produced)
     num_accepted: torch.Tensor | None  # [S] i64 on speculative steps
     num_drafts: list[int]
+    hidden: torch.Tensor | None = None  # [T, H] the target's hidden states (drafters that read them)
+    drafter_done: bool = False  # the drafter's re-run already ran inside the launch (no-sync MTP)
 
     def device_results(self) -> tuple[torch.Tensor, ...]:
         if self.num_accepted is None:
@@ -76,6 +81,7 @@ class InFlightStep:
     → catch_up_start → catch-up → end; the events bracket those parts for the timing."""
 
     plan: BatchPlan
+    work: LaunchedStep  # filled in by the device work
     output: EventFuture  # → StepOutput once the produced ids are on the host
     submitted: float  # host perf_counter when the launch was queued
     start: Event
@@ -135,6 +141,7 @@ class Executor:
         # verify steps run through a GraphRunner per q_len: padded to a bucket, a CUDA graph.
         self.scratch_page = scratch_page
         self.graphs: dict[int, GraphRunner] = {}
+        self._reads_hidden = bool(getattr(proposer, "reads_hidden", False))
         self.device = model.embed_tokens.device
         self.streams = Device(self.device)
         cfg = model.cfg
@@ -170,14 +177,14 @@ class Executor:
         stream.submit(device_work)
         done = stream.record()
         future = EventFuture(copy.event, lambda: self.collect(launched, copy.values))
-        return InFlightStep(plan, future, time.perf_counter(), start, done)
+        return InFlightStep(plan, launched, future, time.perf_counter(), start, done)
 
     def finish(self, step: InFlightStep, output: StepOutput) -> None:
         """4: queue the drafter's catch-up (returns without waiting for it) and time the step."""
         step.resolved = time.perf_counter()
         stream = self.streams.forward
         step.catch_up_start = stream.record()
-        self.catch_up(step.plan, output)
+        self.catch_up(step.plan, output, step.work)
         step.end = stream.record()
         if not self.overlap:
             step.end.synchronize()  # plan the next step only once the device is idle
@@ -225,7 +232,9 @@ class Executor:
         positions: list[int] = []
         attn: list[SeqAttention] = []
         rows: list[int] = []
+        row_starts: list[int] = []
         for i, s in enumerate(plan.seqs):
+            row_starts.append(len(ids))
             # On a speculative step each sequence's verify rows are [last token, drafts...];
             # device drafters' tokens are filled in by launch().
             drafts = proposal.host_tokens[i] if proposal is not None else [0] * ks[i]
@@ -245,6 +254,7 @@ class Executor:
             # A graphed step is planned by its runner, into the bucket's static buffers.
             meta=None if graphed else self.backend.plan(attn, self.kv.page_size, *self._attn_dims),
             attn=attn,
+            row_starts=row_starts,
             q_len=uniform if graphed else None,
             logits_rows=torch.tensor(rows, dtype=torch.long, device=dev),
             sampled=sampled,
@@ -264,26 +274,33 @@ class Executor:
     # 2. device work (runs on the forward stream)
     def launch(self, step: PreparedStep, into: LaunchedStep | None = None,
                copy: HostCopy | None = None) -> LaunchedStep:
-        launched = self._launch(step, copy)
-        if into is not None:
-            into.tokens, into.num_accepted, into.num_drafts = \
-                launched.tokens, launched.num_accepted, launched.num_drafts
-        return launched
+        """The step's device work; results go into `into` (a new LaunchedStep by default)."""
+        into = into or LaunchedStep(step, torch.empty(0), None, [])
+        self._launch(step, into, copy)
+        return into
 
-    def _launch(self, step: PreparedStep, copy: HostCopy | None) -> LaunchedStep:
+    def _publish(self, into: LaunchedStep, result: LaunchedStep, copy: HostCopy | None) -> None:
+        """Fill `into`, THEN start the copy of the produced ids: the host reads `into` as soon
+        as the copy lands, possibly while later work of this launch still runs."""
+        into.tokens, into.num_accepted, into.num_drafts = result.tokens, result.num_accepted, result.num_drafts
+        into.hidden = result.hidden
+        if copy is not None:
+            self.streams.start_copy(copy, into.device_results())
+
+    def _launch(self, step: PreparedStep, into: LaunchedStep, copy: HostCopy | None) -> None:
         if step.spec_ks is not None:
-            return self._launch_speculative(step, copy)
-        logits = self._target_logits(step, step.input_ids)
+            self._launch_speculative(step, into, copy)
+            return
+        hidden, logits = self._target_forward(step, step.input_ids)
+        keep = hidden if self._reads_hidden else None
         if step.sampling is None:
-            launched = LaunchedStep(step, torch.empty(0, 1, dtype=torch.long, device=self.device), None, [])
+            launched = LaunchedStep(step, torch.empty(0, 1, dtype=torch.long, device=self.device), None, [], keep)
         else:
             positions = torch.tensor([s.end_pos for s in step.sampled], dtype=torch.long, device=self.device)
-            launched = LaunchedStep(step, sample(logits, step.sampling, positions)[:, None], None, [])
-        if copy is not None:
-            self.streams.start_copy(copy, launched.device_results())
-        return launched
+            launched = LaunchedStep(step, sample(logits, step.sampling, positions)[:, None], None, [], keep)
+        self._publish(into, launched, copy)
 
-    def _launch_speculative(self, step: PreparedStep, copy: HostCopy | None) -> LaunchedStep:
+    def _launch_speculative(self, step: PreparedStep, into: LaunchedStep, copy: HostCopy | None) -> None:
         seqs, ks, st = step.sampled, step.spec_ks, step.sampling
         b, dev = len(seqs), self.device
         # Stage 2: draft (host drafters already did, in prepare).
@@ -303,7 +320,7 @@ class Executor:
             ids[torch.tensor(flat_draft, dtype=torch.long, device=dev)] = \
                 proposal.tokens.view(-1)[torch.tensor(padded_draft, dtype=torch.long, device=dev)]
         # Stage 3: verify all drafts in one target pass (q_len = k+1 per sequence).
-        logits = self._target_logits(step, ids)
+        hidden, logits = self._target_forward(step, ids)
         padded = torch.zeros(b * (width + 1), logits.shape[-1], device=dev)
         padded[torch.tensor(padded_all, dtype=torch.long, device=dev)] = logits
         rows_st = SamplingTensors.from_seqs(seqs, dev, repeats=[width + 1] * b)
@@ -313,20 +330,33 @@ class Executor:
         first = torch.tensor([s.end_pos for s in seqs], dtype=torch.long, device=dev)
         # Stage 4 (recovered / bonus token) happens inside verify_chain.
         tokens, accepted = verify_chain(p, proposal.probs, proposal.tokens, num_drafts, st.seed, first)
-        launched = LaunchedStep(step, tokens, accepted, proposal.num_drafts)
-        if copy is not None:
-            self.streams.start_copy(copy, launched.device_results())
-        return launched
+        launched = LaunchedStep(step, tokens, accepted, proposal.num_drafts,
+                                hidden if self._reads_hidden else None)
+        # Decided before the ids are published: the host's catch-up must know to skip it.
+        into.drafter_done = self._no_sync_rerun(step)
+        self._publish(into, launched, copy)  # the host waits only for this copy
+        if into.drafter_done:
+            # MTP k = 1: the head's re-run is queued right here, behind verification, with the
+            # verify pass's own batch info; no host sync in between (overlap/spec/mtp.py).
+            meta = step.meta if step.meta is not None else \
+                self.backend.plan(step.attn, self.kv.page_size, *self._attn_dims)
+            self.proposer.rerun_fixed([s.seq_id for s in seqs], tokens, accepted, hidden, step.positions,
+                                      self.backend, meta)
 
-    def _target_logits(self, step: PreparedStep, ids: torch.Tensor) -> torch.Tensor:
-        """The target forward → logits [len(logits_rows), V] f32, through a graph if planned so."""
+    def _no_sync_rerun(self, step: PreparedStep) -> bool:
+        return (hasattr(self.proposer, "rerun_fixed") and all(k == 1 for k in step.spec_ks)
+                and len(step.sampled) == len(step.plan.seqs))
+
+    def _target_forward(self, step: PreparedStep, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target forward → (hidden [T, H], logits [len(logits_rows), V] f32), through a
+        graph if the step was planned for one."""
         if step.q_len is None:
-            return self.model(ids, step.positions, self.backend, self.kv, step.meta, step.logits_rows)[1]
+            return self.model(ids, step.positions, self.backend, self.kv, step.meta, step.logits_rows)
         runner = self.graphs.get(step.q_len)
         if runner is None:
             runner = self.graphs[step.q_len] = GraphRunner(self.model, self.kv, self.backend, step.q_len,
                                                            scratch_page=self.scratch_page)
-        return runner.forward(ids, step.positions, step.attn, step.logits_rows)[1]
+        return runner.forward(ids, step.positions, step.attn, step.logits_rows)
 
     # 3. the sync point
     def collect(self, launched: LaunchedStep, host: list[torch.Tensor] | None = None) -> StepOutput:
@@ -347,9 +377,12 @@ class Executor:
         return StepOutput(plan.step_id, [outputs.get(s.seq_id, SeqOutput(s.seq_id, [])) for s in plan.seqs])
 
     # 4. drafter KV fill
-    def catch_up(self, plan: BatchPlan, output: StepOutput) -> None:
+    def catch_up(self, plan: BatchPlan, output: StepOutput, work: LaunchedStep | None = None) -> None:
         """Feed the drafter the tokens it has not seen: prompt chunks and produced tokens."""
-        if self.proposer is None:
+        if self.proposer is None or (work is not None and work.drafter_done):
+            return
+        if self._reads_hidden:
+            self._catch_up_with_hidden(plan, output, work)
             return
         updates = []
         for s, out in zip(plan.seqs, output.seqs):
@@ -366,6 +399,21 @@ class Executor:
             # prefill chunks, plain decodes and recomputes after preemption share one rule.
             updates.append(CatchUp(s.seq_id, s.start_pos + skip, known[skip:], s.page_table))
         self._on_drafter_stream(lambda: self.proposer.catch_up(updates))
+
+    def _catch_up_with_hidden(self, plan: BatchPlan, output: StepOutput, work: LaunchedStep) -> None:
+        """MTP: every verified row is re-run with the target's hidden states of this step."""
+        rows = []  # (seq, known tokens, first hidden row, number of verified hidden rows)
+        for i, (s, out) in enumerate(zip(plan.seqs, output.seqs)):
+            if s.draft:
+                verified = len(s.token_ids) + (out.num_accepted if out.num_drafts else 0)
+                rows.append((s, s.token_ids + out.token_ids, work.prepared.row_starts[i], verified))
+
+        def run() -> None:
+            # On the stream: `work.hidden` exists once the launch has run.
+            self.proposer.catch_up([CatchUp(s.seq_id, s.start_pos, known, s.page_table, work.hidden[r:r + n])
+                                    for s, known, r, n in rows])
+
+        self._on_drafter_stream(run)
 
 
 def build_executor(config: EngineConfig, model: LlamaModel) -> Executor:
@@ -391,4 +439,10 @@ def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | 
         draft = load_draft(spec.draft_model, model)
         return DraftTargetProposer(draft, make_backend(config.attention_backend, config.device),
                                    config.cache.num_pages, config.cache.page_size, scratch_page)
-    raise ValueError(f"unknown spec method {spec.method!r} (none | draft | ngram)")
+    if spec.method == "mtp":
+        if not spec.head:
+            raise ValueError("spec method 'mtp' needs spec.head (an MTP head directory)")
+        head = load_head(spec.head, model)
+        return MTPProposer(head, make_backend(config.attention_backend, config.device),
+                           config.cache.num_pages, config.cache.page_size, scratch_page)
+    raise ValueError(f"unknown spec method {spec.method!r} (none | draft | ngram | mtp)")

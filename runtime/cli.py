@@ -27,12 +27,12 @@ from pathlib import Path
 
 import msgspec
 
-from overlap.config import EngineConfig, default_draft_dir, load_config
+from overlap.config import EngineConfig, default_draft_dir, default_head_dir, load_config
 from overlap.models.loading import ModelNotFoundError, default_gguf_path
 from runtime.messages import RequestError, SamplingParams
 
 EXIT_USAGE = 2
-SPEC_METHODS = ("none", "draft", "ngram")
+SPEC_METHODS = ("none", "draft", "ngram", "mtp")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,6 +67,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-spec-tokens", type=_positive_int, metavar="K", help="draft tokens per step (default: 4)")
     g.add_argument("--draft-model", metavar="DIR",
                    help="draft directory for --spec draft (default: the shipped draft of the default model)")
+    g.add_argument("--head", metavar="DIR",
+                   help="MTP head directory for --spec mtp (default: the shipped head of the default model)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object {text, token_ids, finish_reason, stats} instead of streaming")
     gen.add_argument("--spec", choices=SPEC_METHODS, metavar="MODE",
-                     help="speculative decoding: none | draft | ngram (default: the config's, none); "
+                     help="speculative decoding: none | draft | ngram | mtp (default: the config's, none); "
                           "with --server: none switches it off for this request, else it must be the server's")
     gen.add_argument("--server", metavar="ADDRESS",
                      help="run on an `overlap serve` daemon (e.g. tcp://127.0.0.1:5557) instead of in process")
@@ -123,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where clients connect (default: tcp://127.0.0.1:5557, loopback only; "
                           "a port of * picks a free one)")
     srv.add_argument("--spec", choices=SPEC_METHODS, metavar="MODE",
-                     help="speculative decoding: none | draft | ngram (default: the config's, none)")
+                     help="speculative decoding: none | draft | ngram | mtp (default: the config's, none)")
     srv.add_argument("--max-waiting", type=_positive_int, default=1024, metavar="N",
                      help="requests queued beyond the running batch before new ones are refused")
     srv.add_argument("--no-overlap", action="store_true",
@@ -170,11 +172,15 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
         scheduler=dataclasses.replace(config.scheduler, **given(
             max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens)),
         spec=dataclasses.replace(config.spec, **given(
-            method=spec_method, num_spec_tokens=args.num_spec_tokens, draft_model=args.draft_model)),
+            method=spec_method, num_spec_tokens=args.num_spec_tokens, draft_model=args.draft_model,
+            head=args.head)),
     )
     if config.spec.method == "draft":
         config = dataclasses.replace(config, spec=dataclasses.replace(
             config.spec, draft_model=_draft_dir(config.model, config.spec.draft_model)))
+    if config.spec.method == "mtp":
+        config = dataclasses.replace(config, spec=dataclasses.replace(
+            config.spec, head=_head_dir(config.model, config.spec.head)))
     return config
 
 
@@ -199,6 +205,18 @@ def _draft_dir(model: str | None, draft: str | None) -> str:
         if path.resolve() == default_draft_dir().resolve():  # also when a config names it
             raise FileNotFoundError(f"the shipped draft is missing at {path}; train it with tools/distill_draft.py")
         raise FileNotFoundError(f"draft model directory {path} does not exist or has no config.json")
+    return str(path)
+
+
+def _head_dir(model: str | None, head: str | None) -> str:
+    """The MTP head for --spec mtp: the one asked for, else the shipped one (default model only)."""
+    if head is None and not _is_default_model(model):
+        raise ValueError("--spec mtp needs --head for a non-default model")
+    path = Path(head).expanduser() if head else default_head_dir()
+    if not (path / "config.json").is_file():
+        if path.resolve() == default_head_dir().resolve():
+            raise FileNotFoundError(f"the shipped MTP head is missing at {path}; train it with tools/train_mtp.py")
+        raise FileNotFoundError(f"MTP head directory {path} does not exist or has no config.json")
     return str(path)
 
 

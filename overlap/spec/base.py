@@ -37,11 +37,13 @@ class CatchUp:
     start_pos: int  # position of new_tokens[0]
     new_tokens: list[int]
     page_table: list[int]
+    hidden: torch.Tensor | None = None  # [n, H] target hidden states of positions start_pos.. (MTP)
 
 
 class Proposer(Protocol):
     name: str
     on_host: bool  # proposes from host data alone (called while preparing the step)
+    reads_hidden: bool  # catch-up reads the target's hidden states (and every row is re-run)
 
     def propose(self, seqs: list[SeqWork], ks: list[int], sampling: SamplingTensors) -> Proposal: ...
 

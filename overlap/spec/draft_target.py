@@ -48,6 +48,7 @@ class DraftModel:
 class DraftTargetProposer:
     name = "draft"
     on_host = False
+    reads_hidden = False
 
     def __init__(self, draft: DraftModel, backend: AttentionBackend, num_pages: int, page_size: int,
                  scratch_page: int | None = None):

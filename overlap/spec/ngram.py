@@ -30,6 +30,7 @@ def lookup(history: list[int], k: int, n_min: int, n_max: int) -> list[int]:
 class NgramProposer:
     name = "ngram"
     on_host = True
+    reads_hidden = False
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu", n_min: int = 1, n_max: int = 3):
         self.vocab_size = vocab_size

@@ -1,0 +1,216 @@
+"""MTP speculation through the engine: greedy exactness (k = 1 no-sync and k = 3 chains, batch
+1/4/16, preemption), the target distribution under sampling (chi-square), the head's KV
+after re-runs equal to a from-scratch run, and no host sync between verification and the
+head's re-run on the k = 1 schedule."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from overlap.attention import ReferenceBackend, SeqAttention
+from overlap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from overlap.kv import slot_mapping
+from overlap.models.heads import MTPHead, save_head
+from overlap.models.llama import load_llama
+from overlap.models.loading import read_model_config
+from runtime.engine import Engine
+from runtime.messages import SamplingParams
+from spec.markov import chi_square_gof, total_variation, tv_tolerance
+from spec.test_spec_engine import ALPHA, N_SAMPLES, exact_three_token_law, prompts, sample_three_tokens
+
+
+def random_head(target_dir, out, seed=0, norms=True):
+    target = load_llama(target_dir, torch.float32)
+    head = MTPHead(ModelConfig.from_hf(read_model_config(target_dir)), target, norms=norms)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.08)
+    return save_head(head, out)
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("heads")
+    return {"target": random_head(tiny_dirs["target"], root / "h"),
+            "target_v6": random_head(tiny_dirs["target_v6"], root / "h6", seed=1)}
+
+
+def engine(tiny_dirs, heads, method="mtp", k=1, target="target", page_size=16, num_pages=512, **sched):
+    spec = SpecConfig(method=method, num_spec_tokens=k, head=str(heads[target]) if method == "mtp" else None)
+    return Engine(EngineConfig(model=str(tiny_dirs[target]), spec=spec,
+                               cache=CacheConfig(page_size=page_size, num_pages=num_pages),
+                               scheduler=SchedulerConfig(**{"max_num_seqs": 64, "max_batched_tokens": 512,
+                                                            **sched})),
+                  progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dirs, heads):
+    base = engine(tiny_dirs, heads, method="none")
+    cache = {}
+
+    def run(ps, n):
+        key = (tuple(map(tuple, ps)), n)
+        if key not in cache:
+            cache[key] = [r.token_ids for r in base.generate(ps, SamplingParams(max_tokens=n, ignore_eos=True))]
+        return cache[key]
+    return run
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_greedy_mtp_equals_plain(tiny_dirs, heads, reference, k, batch):
+    ps = prompts(batch, seed=20 + batch)
+    eng = engine(tiny_dirs, heads, k=k)
+    results = eng.generate(ps, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [r.token_ids for r in results] == reference(ps, 24)
+    assert sum(r.stats.get("draft_tokens", 0) for r in results) > 0
+    assert eng.stats()["free_pages"] == eng.stats()["total_pages"]
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_mtp_with_preemption_and_chunked_prefill(tiny_dirs, heads, reference, k):
+    ps = [p * 3 for p in prompts(8, seed=31)]  # longer prompts: several prefill chunks each
+    eng = engine(tiny_dirs, heads, k=k, page_size=4, num_pages=48, max_batched_tokens=32)
+    results = eng.generate(ps, SamplingParams(max_tokens=30, ignore_eos=True))
+    assert eng.scheduler.num_preemptions > 0
+    assert [r.token_ids for r in results] == reference(ps, 30)
+
+
+def test_greedy_mtp_with_graph_padding(tiny_dirs, heads, reference):
+    ps = prompts(5, seed=41)
+    spec = SpecConfig(method="mtp", num_spec_tokens=1, head=str(heads["target"]))
+    eng = Engine(EngineConfig(model=str(tiny_dirs["target"]), spec=spec, graphs="on"), progress=False)
+    assert [r.token_ids for r in eng.generate(ps, SamplingParams(max_tokens=20, ignore_eos=True))] == reference(ps, 20)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_head_kv_equals_running_the_head_from_scratch(tiny_dirs, heads, k):
+    eng = engine(tiny_dirs, heads, k=k, page_size=4)
+    ps = prompts(3, seed=7)
+    ids = [eng.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in ps]
+    for _ in range(8):
+        eng.step()
+    eng.executor.synchronize()
+    proposer, model = eng.executor.proposer, eng.model
+    backend = ReferenceBackend()
+    for rid in ids:
+        seq = eng.scheduler.by_request[rid]
+        tokens = seq.tokens
+        n = len(tokens)
+        # The target's hidden states H_0..H_{n-2} over the known tokens (x_{n-1} is the last
+        # produced one: its H is not computed yet), then head rows j = 0..n-2 = (x_{j+1}, H_j).
+        table = list(range(-(-n // 4)))
+        kv = model.new_kv_pool(len(table), 4)
+        meta = backend.plan([SeqAttention(n - 1, n - 1, table)], 4)
+        hidden, _ = model(torch.tensor(tokens[:-1]), torch.arange(n - 1), backend, kv, meta)
+        head_kv = proposer.head.new_kv_pool(len(table), 4)
+        g, logits = proposer.head(torch.tensor(tokens[1:]), hidden, torch.arange(n - 1), backend, head_kv, meta,
+                                  torch.tensor([n - 2]))
+        ours = torch.tensor(slot_mapping(seq.pages, 0, n - 1, 4))
+        ref = torch.tensor(slot_mapping(table, 0, n - 1, 4))
+        for a, b in zip(proposer.kv.gather(0, ours), head_kv.gather(0, ref)):
+            assert torch.equal(a, b), "head KV differs from the from-scratch run"
+        carried_logits, carried_hidden = proposer.carried[seq.seq_id]
+        assert torch.equal(carried_logits, logits[0]) and torch.equal(carried_hidden, g[-1])
+
+
+@pytest.mark.parametrize("k,params", [
+    (1, SamplingParams(temperature=1.0)),
+    (2, SamplingParams(temperature=1.0)),
+    (2, SamplingParams(temperature=0.7, top_k=4)),
+])
+def test_mtp_sampling_keeps_the_target_distribution(tiny_dirs, heads, k, params):
+    eng = engine(tiny_dirs, heads, k=k, target="target_v6", max_num_seqs=500, max_batched_tokens=4096,
+                 num_pages=2048)
+    counts = sample_three_tokens(eng, params)
+    law = exact_three_token_law(eng.model, params)
+    stat, df, p_value = chi_square_gof(counts, law)
+    assert p_value > ALPHA, f"chi-square {stat:.1f} on {df} df, p = {p_value:.2e}"
+    for axis in range(3):
+        dims = tuple(d for d in range(3) if d != axis)
+        assert total_variation(counts.sum(dims), law.sum(dims)) < tv_tolerance(N_SAMPLES, law.shape[0], ALPHA)
+
+
+def test_k1_reruns_the_head_behind_verification_without_a_host_sync(tiny_dirs, heads):
+    """A sync-detecting wrapper around the device: log every host wait on an event and every
+    head re-run. Each step's re-run must run on the forward stream inside the launch (no host
+    round trip after verification), and the host must get the step's ids while that re-run is
+    still running (the ids travel on the copy stream)."""
+    eng = engine(tiny_dirs, heads, k=1)
+    executor, proposer = eng.executor, eng.executor.proposer
+    log, lock = [], threading.Lock()
+
+    def note(what):
+        with lock:
+            log.append((time.perf_counter(), threading.current_thread().name, what))
+
+    real_rerun, real_catch_up = proposer.rerun_fixed, proposer.catch_up
+
+    def slow_rerun(*args, **kwargs):
+        note("rerun start")
+        time.sleep(0.03)  # a head that takes a while: the host must not wait for it
+        real_rerun(*args, **kwargs)
+        note("rerun end")
+
+    def catch_up(updates):
+        note("catch_up")
+        real_catch_up(updates)
+
+    proposer.rerun_fixed, proposer.catch_up = slow_rerun, catch_up
+    real_submit = executor.submit
+
+    def submit(plan):
+        step = real_submit(plan)
+        real_result = step.output.result
+
+        def result(timeout=None):
+            note("host wait")
+            out = real_result(timeout)
+            note("host has ids")
+            return out
+
+        step.output.result = result
+        return step
+
+    executor.submit = submit
+    eng.generate(prompts(4, seed=3), SamplingParams(max_tokens=16, ignore_eos=True))
+    executor.synchronize()
+    reruns = [t for t in log if t[2] == "rerun start"]
+    assert reruns and all(name == "overlap-forward" for _, name, _ in reruns)
+    # Decode steps never fell back to the catch-up path (that one waits for the host).
+    decode_catch_ups = [e for e in log if e[2] == "catch_up"]
+    assert len(decode_catch_ups) <= 4  # prefill steps only
+    # The host had the ids of a step while its re-run was still running.
+    overlapped = 0
+    for i, (t, _, what) in enumerate(log):
+        if what == "rerun start":
+            end = next(u for u, _, w in log[i:] if w == "rerun end")
+            overlapped += any(w == "host has ids" and t < u < end for u, _, w in log)
+    assert overlapped > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_k1_schedule_has_no_cuda_sync_between_verify_and_rerun(tiny_dirs, heads):
+    eng = Engine(EngineConfig(model=str(tiny_dirs["target"]), device="cuda", dtype="bfloat16",
+                              spec=SpecConfig(method="mtp", num_spec_tokens=1, head=str(heads["target"]))),
+                 progress=False)
+    eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4))  # warm-up
+    proposer, executor = eng.executor.proposer, eng.executor
+    real_launch = executor._launch_speculative
+
+    def strict_launch(step, into, copy):
+        torch.cuda.set_sync_debug_mode("error")  # any implicit sync in verify + re-run raises
+        try:
+            return real_launch(step, into, copy)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    executor._launch_speculative = strict_launch
+    assert proposer is not None
+    eng.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=12, ignore_eos=True))
