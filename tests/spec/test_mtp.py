@@ -214,3 +214,22 @@ def test_k1_schedule_has_no_cuda_sync_between_verify_and_rerun(tiny_dirs, heads)
     executor._launch_speculative = strict_launch
     assert proposer is not None
     eng.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=12, ignore_eos=True))
+
+
+def test_greedy_mtp_through_the_daemon(tiny_dirs, heads, reference):
+    from runtime.client import Client
+    from runtime.daemon import Daemon
+
+    ps = prompts(6, seed=51)
+    config = EngineConfig(model=str(tiny_dirs["target"]), cache=CacheConfig(page_size=16, num_pages=256),
+                          spec=SpecConfig(method="mtp", num_spec_tokens=3, head=str(heads["target"])))
+    with Daemon(config, "tcp://127.0.0.1:*", ready_timeout_s=300) as d, Client(d.endpoint, timeout=120) as c:
+        for k in (1, 3):
+            ids = [c.submit(p, max_tokens=20, ignore_eos=True, num_spec_tokens=k) for p in ps]
+            got, done = {}, set()
+            while len(done) < len(ids):
+                for delta in c.next_deltas():
+                    got.setdefault(delta.request_id, []).extend(delta.token_ids)
+                    if delta.finish_reason:
+                        done.add(delta.request_id)
+            assert [got[i] for i in ids] == reference(ps, 20)
