@@ -36,7 +36,7 @@ class Decoder:
     def __call__(self, data: bytes):
         try:
             return self._decoder.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
             raise BadMessage(str(e)) from None
 
 

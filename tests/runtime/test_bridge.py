@@ -233,7 +233,7 @@ def test_browser_page_streams_a_completion(daemon, client, tmp_path):
 # -- fuzzing the ZeroMQ socket ---------------------------------------------------------------
 
 FIELDS = ["request_id", "prompt", "messages", "prompt_token_ids", "params", "type", "query_id"]
-VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),
+VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(allow_nan=True),
                    st.text(max_size=40), st.binary(max_size=40),
                    st.lists(st.integers(-5, 60000), max_size=8),
                    st.dictionaries(st.sampled_from(["max_tokens", "temperature", "top_p", "top_k", "seed",
