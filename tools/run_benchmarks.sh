@@ -24,5 +24,20 @@ case "${1:-all}" in
     until grep -q "serving" "$OUT/runtime_serve.log"; do sleep 1; kill -0 $SERVE; done
     overlap bench --prompts "$PROMPTS" --num-prompts 16 --max-tokens 64 --concurrency 1 8 \
       --config configs/smollm2-135m-draft.toml --spec none draft --no-overlap \
-      --server "$ADDR" --compare-inprocess --json "$OUT/runtime.json" | tee "$OUT/runtime.txt" ;;
+      --server "$ADDR" --compare-inprocess --json "$OUT/runtime.json" | tee "$OUT/runtime.txt" ;;&
+  load|all)
+    # 1000 short requests at concurrency 64 with speculation on, through the client library
+    # and through the websocket bridge; then with 20% of the clients vanishing mid-stream.
+    ADDR=${LOAD_ADDR:-tcp://127.0.0.1:5612}
+    WS=${LOAD_WS:-8766}
+    overlap serve --config configs/smollm2-135m-draft.toml --zmq "$ADDR" --ws "$WS" 2> "$OUT/load_serve.log" &
+    LOADSERVE=$!
+    trap 'kill $LOADSERVE 2>/dev/null; wait $LOADSERVE 2>/dev/null' EXIT
+    until grep -q "serving" "$OUT/load_serve.log"; do sleep 1; kill -0 $LOADSERVE; done
+    python tools/loadtest.py --server "$ADDR" --requests 1000 --concurrency 64 --max-tokens 16 \
+      --json "$OUT/load_zmq.json" > "$OUT/load_zmq.txt"
+    python tools/loadtest.py --server "$ADDR" --requests 1000 --concurrency 64 --max-tokens 16 \
+      --disconnect-fraction 0.2 --json "$OUT/load_zmq_disconnect.json" > "$OUT/load_zmq_disconnect.txt"
+    python tools/loadtest.py --ws "ws://127.0.0.1:$WS/" --server "$ADDR" --requests 1000 --concurrency 64 \
+      --max-tokens 16 --disconnect-fraction 0.2 --json "$OUT/load_ws_disconnect.json" > "$OUT/load_ws_disconnect.txt" ;;
 esac
