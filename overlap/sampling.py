@@ -20,6 +20,7 @@ from overlap.batch import SeqWork
 NOISE_SAMPLE = 0  # target token (and recovered / bonus tokens)
 NOISE_DRAFT = 1  # draft tokens
 NOISE_ACCEPT = 2  # the uniform of the accept test
+NOISE_TREE = 3  # the uniforms of a tree node's tries (one per child)
 
 _MASK32 = 0xFFFFFFFF
 
