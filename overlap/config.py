@@ -83,10 +83,13 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    method: str = "none"  # none | draft | ngram | mtp
+    method: str = "none"  # none | draft | ngram | mtp | eagle
     num_spec_tokens: int = 4
     draft_model: str | None = None  # draft-target: the draft model's directory
-    head: str | None = None  # mtp: the MTP head's directory (tools/train_mtp.py)
+    head: str | None = None  # mtp / eagle: the MTP head's directory (tools/train_mtp.py)
+    tree_depth: int = 3  # eagle: levels below the root
+    tree_topk: int = 2  # eagle: children per node at most
+    tree_tokens: int = 8  # eagle: nodes verified per step
     ngram_min: int = 1
     ngram_max: int = 3
 

@@ -33,15 +33,17 @@ from overlap.config import EngineConfig
 from overlap.device import Device, Event, HostCopy
 from overlap.futures import EventFuture
 from overlap.graphs import GraphRunner
-from overlap.kv import KVPool
+from overlap.kv import KVPool, slot_mapping
 from overlap.models.heads import load_head
 from overlap.models.llama import LlamaModel
 from overlap.sampling import SamplingTensors, probabilities, sample
 from overlap.spec.base import CatchUp, Proposal, Proposer
 from overlap.spec.draft_target import DraftTargetProposer, load_draft
+from overlap.spec.eagle import EagleProposer
 from overlap.spec.mtp import MTPProposer
 from overlap.spec.ngram import NgramProposer
 from overlap.spec.rejection import verify_chain
+from overlap.spec.tree import TreeShape, verify_tree
 
 
 @dataclass
@@ -58,6 +60,7 @@ class PreparedStep:
     sampling: SamplingTensors | None
     spec_ks: list[int] | None  # drafts per sequence on a speculative step, else None
     proposal: Proposal | None  # made on the host during prepare (host drafters)
+    tree_slots: torch.Tensor | None = None  # [B, N+1] i64 KV slots of the tree rows (EAGLE steps)
 
 
 @dataclass
@@ -68,6 +71,7 @@ class LaunchedStep:
     num_drafts: list[int]
     hidden: torch.Tensor | None = None  # [T, H] the target's hidden states (drafters that read them)
     drafter_done: bool = False  # the drafter's re-run already ran inside the launch (no-sync MTP)
+    hidden_row_starts: list[int] | None = None  # where each sequence's rows start in `hidden`
 
     def device_results(self) -> tuple[torch.Tensor, ...]:
         if self.num_accepted is None:
@@ -222,6 +226,12 @@ class Executor:
         spec = self.proposer is not None and plan.is_decode_only and any(s.num_spec_tokens for s in plan.seqs)
         ks = [s.num_spec_tokens for s in plan.seqs] if spec else [0] * len(plan.seqs)
         proposal = None
+        tree = getattr(self.proposer, "tree", None)
+        if spec and tree is not None and not all(k == tree.size for k in ks):
+            # A tree step verifies the whole tree for every sequence; one that has no room for
+            # it (near max_tokens or the context end) makes this a plain decode step.
+            spec, ks = False, [0] * len(plan.seqs)
+        tree = tree if spec else None
         if spec and self.proposer.on_host:  # on_host proposers fill Proposal.host_tokens
             # Host drafters (n-gram) propose now, so the verify pass is sized to the drafts
             # they actually found, and a step where none are found is a plain decode.
@@ -233,6 +243,7 @@ class Executor:
         attn: list[SeqAttention] = []
         rows: list[int] = []
         row_starts: list[int] = []
+        tree_slots: list[list[int]] = []
         for i, s in enumerate(plan.seqs):
             row_starts.append(len(ids))
             # On a speculative step each sequence's verify rows are [last token, drafts...];
@@ -240,12 +251,18 @@ class Executor:
             drafts = proposal.host_tokens[i] if proposal is not None else [0] * ks[i]
             q_len = len(s.token_ids) + ks[i]
             ids += s.token_ids + drafts
-            positions += range(s.start_pos, s.start_pos + q_len)
-            attn.append(SeqAttention(q_len=q_len, kv_len=s.start_pos + q_len, page_table=s.page_table))
+            if tree is not None:
+                # [x_n, node_1..node_N] at positions n + depth, each row sees its ancestors.
+                positions += [s.start_pos + d for d in self.proposer.verify_depths]
+                attn.append(SeqAttention(q_len, s.start_pos + q_len, s.page_table, self.proposer.verify_mask))
+                tree_slots.append(slot_mapping(s.page_table, s.start_pos, s.start_pos + q_len, self.kv.page_size))
+            else:
+                positions += range(s.start_pos, s.start_pos + q_len)
+                attn.append(SeqAttention(q_len=q_len, kv_len=s.start_pos + q_len, page_table=s.page_table))
             if s.sample:
                 rows += range(len(ids) - q_len, len(ids)) if spec else [len(ids) - 1]
         q_lens = {a.q_len for a in attn}
-        uniform = q_lens.pop() if len(q_lens) == 1 and plan.is_decode_only else None
+        uniform = q_lens.pop() if len(q_lens) == 1 and plan.is_decode_only and tree is None else None
         graphed = self.scratch_page is not None and uniform is not None
         return PreparedStep(
             plan=plan,
@@ -260,6 +277,7 @@ class Executor:
             sampled=sampled,
             sampling=sampling,
             spec_ks=ks if spec else None,
+            tree_slots=torch.tensor(tree_slots, dtype=torch.long, device=dev) if tree is not None else None,
             proposal=proposal if spec else None,
         )
 
@@ -283,11 +301,14 @@ class Executor:
         """Fill `into`, THEN start the copy of the produced ids: the host reads `into` as soon
         as the copy lands, possibly while later work of this launch still runs."""
         into.tokens, into.num_accepted, into.num_drafts = result.tokens, result.num_accepted, result.num_drafts
-        into.hidden = result.hidden
+        into.hidden, into.hidden_row_starts = result.hidden, result.hidden_row_starts
         if copy is not None:
             self.streams.start_copy(copy, into.device_results())
 
     def _launch(self, step: PreparedStep, into: LaunchedStep, copy: HostCopy | None) -> None:
+        if step.tree_slots is not None:
+            self._launch_tree(step, into, copy)
+            return
         if step.spec_ks is not None:
             self._launch_speculative(step, into, copy)
             return
@@ -298,6 +319,38 @@ class Executor:
         else:
             positions = torch.tensor([s.end_pos for s in step.sampled], dtype=torch.long, device=self.device)
             launched = LaunchedStep(step, sample(logits, step.sampling, positions)[:, None], None, [], keep)
+        self._publish(into, launched, copy)
+
+    def _launch_tree(self, step: PreparedStep, into: LaunchedStep, copy: HostCopy | None) -> None:
+        """EAGLE: draft a tree, verify every node in one target pass with the tree mask, walk
+        it (tree.py), move the accepted path's KV into place; the head re-runs in catch-up."""
+        seqs, st, proposer = step.sampled, step.sampling, self.proposer
+        b, n, depth, dev = len(seqs), proposer.num_nodes, proposer.depth, self.device
+        # Stage 2: the tree's tokens, into rows 1..N of each sequence's [x_n, nodes] block.
+        nodes = proposer.propose_tree(seqs)  # [B, N]
+        starts = torch.tensor(step.row_starts, dtype=torch.long, device=dev)
+        node_rows = (starts[:, None] + torch.arange(1, n + 1, device=dev)[None, :]).reshape(-1)
+        ids = step.input_ids.clone()
+        ids[node_rows] = nodes.reshape(-1)
+        # Stage 3: one target pass over every node; p after the root and after each node.
+        hidden, logits = self._target_forward(step, ids)  # logits [B*(N+1), V]
+        rows_st = SamplingTensors.from_seqs(seqs, dev, repeats=[n + 1] * b)
+        p = probabilities(logits, rows_st).view(b, n + 1, -1)
+        tree = proposer.tree
+        as_rows = lambda values: torch.tensor(values, dtype=torch.long, device=dev).expand(b, n)  # noqa: E731
+        first = torch.tensor([s.end_pos for s in seqs], dtype=torch.long, device=dev)
+        tokens, accepted, path = verify_tree(p, nodes, as_rows(tree.parents()), as_rows(tree.sibling_order()),
+                                             depth, tree.max_children(), st.seed, first)
+        # Compaction: the node at depth i of the accepted path moves to slot n + i.
+        slots = step.tree_slots  # [B, N+1]
+        keep = torch.arange(depth, device=dev)[None, :] < accepted[:, None]
+        dst = slots[:, 1:depth + 1]
+        src = torch.where(keep, slots.gather(1, path), dst)
+        self.kv.copy_slots(src.reshape(-1), dst.reshape(-1))
+        # The head's catch-up reads the target's hidden states of [x_n, accepted path] rows.
+        path_rows = starts[:, None] + torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)  # [B, D+1]
+        launched = LaunchedStep(step, tokens, accepted, [depth] * b, hidden[path_rows.reshape(-1)])
+        launched.hidden_row_starts = [i * (depth + 1) for i in range(b)]
         self._publish(into, launched, copy)
 
     def _launch_speculative(self, step: PreparedStep, into: LaunchedStep, copy: HostCopy | None) -> None:
@@ -406,7 +459,8 @@ class Executor:
         for i, (s, out) in enumerate(zip(plan.seqs, output.seqs)):
             if s.draft:
                 verified = len(s.token_ids) + (out.num_accepted if out.num_drafts else 0)
-                rows.append((s, s.token_ids + out.token_ids, work.prepared.row_starts[i], verified))
+                starts = work.hidden_row_starts or work.prepared.row_starts
+                rows.append((s, s.token_ids + out.token_ids, starts[i], verified))
 
         def run() -> None:
             # On the stream: `work.hidden` exists once the launch has run.
@@ -445,4 +499,10 @@ def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | 
         head = load_head(spec.head, model)
         return MTPProposer(head, make_backend(config.attention_backend, config.device),
                            config.cache.num_pages, config.cache.page_size, scratch_page)
-    raise ValueError(f"unknown spec method {spec.method!r} (none | draft | ngram | mtp)")
+    if spec.method == "eagle":
+        if not spec.head:
+            raise ValueError("spec method 'eagle' needs spec.head (an MTP head directory)")
+        shape = TreeShape.default(spec.tree_depth, spec.tree_topk, spec.tree_tokens)
+        return EagleProposer(load_head(spec.head, model), make_backend(config.attention_backend, config.device),
+                             config.cache.num_pages, config.cache.page_size, shape, scratch_page)
+    raise ValueError(f"unknown spec method {spec.method!r} (none | draft | ngram | mtp | eagle)")

@@ -32,7 +32,7 @@ from overlap.models.loading import ModelNotFoundError, default_gguf_path
 from runtime.messages import RequestError, SamplingParams
 
 EXIT_USAGE = 2
-SPEC_METHODS = ("none", "draft", "ngram", "mtp")
+SPEC_METHODS = ("none", "draft", "ngram", "mtp", "eagle")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,7 +68,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model", metavar="DIR",
                    help="draft directory for --spec draft (default: the shipped draft of the default model)")
     g.add_argument("--head", metavar="DIR",
-                   help="MTP head directory for --spec mtp (default: the shipped head of the default model)")
+                   help="MTP head directory for --spec mtp/eagle (default: the shipped head of the default model)")
+    g.add_argument("--tree-depth", type=_positive_int, metavar="D", help="--spec eagle: tree levels (default 3)")
+    g.add_argument("--tree-topk", type=_positive_int, metavar="K", help="--spec eagle: children per node (default 2)")
+    g.add_argument("--tree-tokens", type=_positive_int, metavar="N", help="--spec eagle: tree nodes (default 8)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object {text, token_ids, finish_reason, stats} instead of streaming")
     gen.add_argument("--spec", choices=SPEC_METHODS, metavar="MODE",
-                     help="speculative decoding: none | draft | ngram | mtp (default: the config's, none); "
+                     help="speculative decoding: none | draft | ngram | mtp | eagle (default: the config's, none); "
                           "with --server: none switches it off for this request, else it must be the server's")
     gen.add_argument("--server", metavar="ADDRESS",
                      help="run on an `overlap serve` daemon (e.g. tcp://127.0.0.1:5557) instead of in process")
@@ -125,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="where clients connect (default: tcp://127.0.0.1:5557, loopback only; "
                           "a port of * picks a free one)")
     srv.add_argument("--spec", choices=SPEC_METHODS, metavar="MODE",
-                     help="speculative decoding: none | draft | ngram | mtp (default: the config's, none)")
+                     help="speculative decoding: none | draft | ngram | mtp | eagle (default: the config's, none)")
     srv.add_argument("--max-waiting", type=_positive_int, default=1024, metavar="N",
                      help="requests queued beyond the running batch before new ones are refused")
     srv.add_argument("--no-overlap", action="store_true",
@@ -173,12 +176,12 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
             max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens)),
         spec=dataclasses.replace(config.spec, **given(
             method=spec_method, num_spec_tokens=args.num_spec_tokens, draft_model=args.draft_model,
-            head=args.head)),
+            head=args.head, tree_depth=args.tree_depth, tree_topk=args.tree_topk, tree_tokens=args.tree_tokens)),
     )
     if config.spec.method == "draft":
         config = dataclasses.replace(config, spec=dataclasses.replace(
             config.spec, draft_model=_draft_dir(config.model, config.spec.draft_model)))
-    if config.spec.method == "mtp":
+    if config.spec.method in ("mtp", "eagle"):
         config = dataclasses.replace(config, spec=dataclasses.replace(
             config.spec, head=_head_dir(config.model, config.spec.head)))
     return config

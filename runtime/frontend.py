@@ -24,13 +24,17 @@ class RequestLimits:
 
     @classmethod
     def of(cls, config: EngineConfig, model: ModelConfig) -> "RequestLimits":
-        spec = 0 if config.spec.method == "none" else config.spec.num_spec_tokens
+        spec = {"none": 0, "eagle": config.spec.tree_tokens}.get(config.spec.method, config.spec.num_spec_tokens)
         return cls(model.vocab_size, min(config.scheduler.max_model_len, model.max_position),
-                   config.cache.num_pages, config.cache.page_size, spec)
+                   config.cache.num_pages, config.cache.page_size, spec, config.spec.method == "eagle")
+
+    tree: bool = False  # EAGLE: a request's k is the tree size (its own num_spec_tokens only turns it off at 0)
 
     def num_spec_tokens(self, params: SamplingParams) -> int:
         if not self.default_num_spec_tokens or not params.spec:
             return 0
+        if self.tree:
+            return 0 if params.num_spec_tokens == 0 else self.default_num_spec_tokens
         return self.default_num_spec_tokens if params.num_spec_tokens is None else params.num_spec_tokens
 
 

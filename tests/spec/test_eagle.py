@@ -1,0 +1,127 @@
+"""EAGLE trees through the engine: greedy exactness (batch 1/4/16, preemption), the target
+distribution under sampling, and the target's and head's KV after tree steps equal to a
+from-scratch run over the accepted sequence."""
+
+import pytest
+import torch
+
+from overlap.attention import ReferenceBackend, SeqAttention
+from overlap.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from overlap.kv import slot_mapping
+from runtime.engine import Engine
+from runtime.messages import SamplingParams
+from spec.markov import chi_square_gof, total_variation, tv_tolerance
+from spec.test_mtp import heads, random_head, reference  # noqa: F401  (fixtures)
+from spec.test_spec_engine import ALPHA, N_SAMPLES, exact_three_token_law, prompts, sample_three_tokens
+
+
+def engine(tiny_dirs, heads, target="target", depth=3, topk=2, tokens=6, page_size=16, num_pages=512, **sched):
+    spec = SpecConfig(method="eagle", head=str(heads[target]), tree_depth=depth, tree_topk=topk, tree_tokens=tokens)
+    return Engine(EngineConfig(model=str(tiny_dirs[target]), spec=spec,
+                               cache=CacheConfig(page_size=page_size, num_pages=num_pages),
+                               scheduler=SchedulerConfig(**{"max_num_seqs": 64, "max_batched_tokens": 512,
+                                                            **sched})),
+                  progress=False)
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("depth,topk,tokens", [(3, 2, 6), (2, 3, 6)])
+def test_greedy_eagle_equals_plain(tiny_dirs, heads, reference, batch, depth, topk, tokens):
+    ps = prompts(batch, seed=60 + batch)
+    eng = engine(tiny_dirs, heads, depth=depth, topk=topk, tokens=tokens)
+    results = eng.generate(ps, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [r.token_ids for r in results] == reference(ps, 24)
+    assert sum(r.stats.get("drafts", 0) for r in results) > 0
+    assert eng.stats()["free_pages"] == eng.stats()["total_pages"]
+
+
+def test_greedy_eagle_with_preemption(tiny_dirs, echo_heads, reference):
+    ps = prompts(8, seed=71)
+    eng = engine(tiny_dirs, echo_heads, page_size=4, num_pages=48, max_batched_tokens=48)
+    results = eng.generate(ps, SamplingParams(max_tokens=30, ignore_eos=True))
+    assert eng.scheduler.num_preemptions > 0
+    assert [r.token_ids for r in results] == reference(ps, 30)
+
+
+def echo_head(target_dir, out):
+    """A head that predicts, from H_j, the token the target put after position j (fuse picks
+    the hidden state, the layer adds nothing). Tiny random targets soon repeat themselves,
+    so this head is often right: it exercises long accepted paths."""
+    path = random_head(target_dir, out)
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(path / "model.safetensors"))
+    for name, value in sd.items():
+        if "norm" in name:
+            sd[name] = torch.ones_like(value)
+        elif name == "fuse":
+            h = value.shape[0]
+            sd[name] = torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1).to(value.dtype)
+        else:
+            sd[name] = torch.zeros_like(value)
+    save_file(sd, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def echo_heads(tiny_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("echo")
+    return {"target": echo_head(tiny_dirs["target"], root / "e"),
+            "target_v6": echo_head(tiny_dirs["target_v6"], root / "e6")}
+
+
+def small_vocab_prompts(n):
+    return [[(3 * i + j) % 6 for j in range(4 + i)] for i in range(n)]
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_greedy_eagle_with_long_accepted_paths_equals_plain(tiny_dirs, echo_heads, reference, batch):
+    ps = prompts(batch, seed=80 + batch)
+    eng = engine(tiny_dirs, echo_heads, depth=4, topk=2, tokens=8)
+    results = eng.generate(ps, SamplingParams(max_tokens=32, ignore_eos=True))
+    assert [r.token_ids for r in results] == reference(ps, 32)
+    stats = [r.stats for r in results]
+    assert sum(s.get("accepted_tokens", 0) for s in stats) > 5 * batch  # paths of several nodes
+    assert max(max(s.get("accepted_per_position", [0])[1:] or [0]) for s in stats) > 0  # depth >= 2
+
+
+def test_target_and_head_kv_after_tree_steps_equal_a_from_scratch_run(tiny_dirs, echo_heads):
+    eng = engine(tiny_dirs, echo_heads, page_size=4, tokens=8, depth=4)
+    ps = prompts(3, seed=9)
+    ids = [eng.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in ps]
+    for _ in range(8):
+        eng.step()
+    eng.executor.synchronize()
+    proposer, model, backend = eng.executor.proposer, eng.model, ReferenceBackend()
+    accepted_some = False
+    for rid in ids:
+        seq = eng.scheduler.by_request[rid]
+        accepted_some |= eng.requests[rid].state.stats.num_accepted_tokens > 0
+        tokens, n = seq.tokens, len(seq.tokens)
+        table = list(range(-(-n // 4)))
+        kv = model.new_kv_pool(len(table), 4)
+        meta = backend.plan([SeqAttention(n - 1, n - 1, table)], 4)
+        hidden, _ = model(torch.tensor(tokens[:-1]), torch.arange(n - 1), backend, kv, meta)
+        ours = torch.tensor(slot_mapping(seq.pages, 0, n - 1, 4))
+        ref = torch.tensor(slot_mapping(table, 0, n - 1, 4))
+        for layer in range(model.cfg.num_layers):
+            for a, b in zip(eng.executor.kv.gather(layer, ours), kv.gather(layer, ref)):
+                assert torch.equal(a, b), f"target KV differs in layer {layer}"
+        head_kv = proposer.head.new_kv_pool(len(table), 4)
+        proposer.head(torch.tensor(tokens[1:]), hidden, torch.arange(n - 1), backend, head_kv, meta)
+        for a, b in zip(proposer.kv.gather(0, ours), head_kv.gather(0, ref)):
+            assert torch.equal(a, b), "head KV differs"
+    assert accepted_some
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=3)])
+def test_eagle_sampling_keeps_the_target_distribution(tiny_dirs, heads, params):
+    eng = engine(tiny_dirs, heads, target="target_v6", depth=2, topk=2, tokens=5, max_num_seqs=500,
+                 max_batched_tokens=4096, num_pages=2048)
+    counts = sample_three_tokens(eng, params)
+    law = exact_three_token_law(eng.model, params)
+    stat, df, p_value = chi_square_gof(counts, law)
+    assert p_value > ALPHA, f"chi-square {stat:.1f} on {df} df, p = {p_value:.2e}"
+    for axis in range(3):
+        dims = tuple(d for d in range(3) if d != axis)
+        assert total_variation(counts.sum(dims), law.sum(dims)) < tv_tolerance(N_SAMPLES, law.shape[0], ALPHA)
