@@ -355,7 +355,7 @@ def check_pipeline(args) -> list[Row]:
     events, pinned copies, graphs. Overlap on/off must agree exactly (same kernels, same
     order); draft vs none and graphs vs eager must agree on the greedy tokens (bf16 rounding
     may split a sequence late); reports the device idle fraction and hidden planning time."""
-    from overlap.config import EngineConfig, SpecConfig, default_draft_dir
+    from overlap.config import EngineConfig, SpecConfig, default_draft_dir, default_head_dir
     from runtime.engine import Engine
     from runtime.messages import SamplingParams
 
@@ -363,8 +363,10 @@ def check_pipeline(args) -> list[Row]:
 
     def run(**kw):
         spec = kw.pop("spec", "draft")
-        config = EngineConfig(device=DEVICE, spec=SpecConfig(method=spec, num_spec_tokens=3,
-                                                             draft_model=str(default_draft_dir())), **kw)
+        k = kw.pop("k", 3)
+        config = EngineConfig(device=DEVICE, spec=SpecConfig(method=spec, num_spec_tokens=k,
+                                                             draft_model=str(default_draft_dir()),
+                                                             head=str(default_head_dir())), **kw)
         engine = Engine(config, progress=False)
         engine.generate(PIPELINE_PROMPTS[:1], SamplingParams(max_tokens=4))  # warm-up, captures
         before = engine.stats()
@@ -399,6 +401,13 @@ def check_pipeline(args) -> list[Row]:
         Row("pipeline", "graphs off vs on", agreement(eager, draft) >= PIPELINE_AGREE,
             {"agree": f"{agreement(eager, draft):.3f}", **t_eager}),
     ]
+    if (default_head_dir() / "config.json").is_file():
+        for label, kw in (("mtp k=1 (no-sync)", dict(spec="mtp", k=1)), ("mtp k=3", dict(spec="mtp", k=3)),
+                          ("eagle tree", dict(spec="eagle"))):
+            out, timing = run(**kw)
+            agree = agreement(out, base)
+            rows.append(Row("pipeline", f"{label} == none (greedy)", agree >= PIPELINE_AGREE,
+                            {"agree": f"{agree:.3f}", **timing}))
     return rows
 
 

@@ -202,6 +202,10 @@ def test_shipped_configs_load(path, tmp_path, monkeypatch):
     assert config.spec.method in cli.SPEC_METHODS and config.model is None
     if config.spec.method == "draft":
         assert config.spec.draft_model == str(default_draft_dir().resolve())
+    if config.spec.method in ("mtp", "eagle"):
+        from overlap.config import default_head_dir
+
+        assert config.spec.head == str(default_head_dir().resolve())
 
 
 def test_config_relative_paths(tmp_path):
