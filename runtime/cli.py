@@ -74,6 +74,16 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-tokens", type=_positive_int, metavar="N", help="--spec eagle: tree nodes (default 8)")
 
 
+def _spec_mode(text: str) -> str:
+    """A bench mode: none | draft | ngram | mtp | eagle, optionally ":K" drafts (mtp:3)."""
+    mode, _, k = text.partition(":")
+    if mode not in SPEC_METHODS:
+        raise argparse.ArgumentTypeError(f"unknown mode {mode!r} (choose from {', '.join(SPEC_METHODS)})")
+    if k and (not k.isdigit() or int(k) < 1 or mode in ("none", "eagle")):
+        raise argparse.ArgumentTypeError(f"{text!r}: K must be a positive integer, for draft/ngram/mtp")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="overlap", description="Speculative-decoding LLM inference runtime.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -110,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="OUT", help="write the full report as JSON to OUT")
     bench.add_argument("--compare-hf", action="store_true",
                        help="also run transformers (batch 1) and compare speed and outputs")
-    bench.add_argument("--spec", choices=SPEC_METHODS, nargs="+", metavar="MODE",
+    bench.add_argument("--spec", type=_spec_mode, nargs="+", metavar="MODE[:K]",
                        help="speculative modes to compare, one engine each: none draft ngram "
                             "(default: the config's, none); speedups are over the first (none if given)")
     bench.add_argument("--server", metavar="ADDRESS",
@@ -368,7 +378,7 @@ def _bench_variants(args: argparse.Namespace) -> list:
         with Client(args.server, timeout=30) as client:
             served = client.health()["spec"]
         modes = list(dict.fromkeys(args.spec or [served]))
-        bad = [m for m in modes if m not in ("none", served)]
+        bad = [m for m in modes if m.partition(":")[0] not in ("none", served)]
         if bad:
             raise ValueError(f"the server runs --spec {served}; --spec {' '.join(bad)} cannot be benchmarked on it")
     else:
@@ -377,14 +387,17 @@ def _bench_variants(args: argparse.Namespace) -> list:
     variants = []
     if not args.server or args.compare_inprocess:
         for mode in modes:
-            config = engine_config(args, mode)
+            method, _, k = mode.partition(":")
+            config = engine_config(args, method)
+            if k:
+                config = dataclasses.replace(config, spec=dataclasses.replace(config.spec, num_spec_tokens=int(k)))
             variants.append(Variant(mode, config))
             if args.no_overlap:
                 variants.append(Variant(f"{mode} no-overlap", dataclasses.replace(config, overlap=False)))
     if args.server:
         # The server's own config decides its engine; ours only names the model for tokenizing.
         variants += [Variant(f"{mode} @server", engine_config(args, None), args.server, mode != "none")
-                     for mode in modes]
+                     for mode in modes if ":" not in mode]
     return variants
 
 

@@ -305,3 +305,12 @@ def test_weight_bytes_counts_tied_once():
     m.a = torch.nn.Parameter(torch.zeros(10, dtype=torch.bfloat16))
     m.b = m.a
     assert bench.weight_bytes(m) == 20
+
+
+def test_bench_mode_with_its_own_k(prompts_file, monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "run_bench", lambda variants, *a, **kw: seen.extend(variants) or {})
+    monkeypatch.setattr(bench, "format_report", lambda report: "")
+    assert cli.main(["bench", "--prompts", str(prompts_file), "--spec", "ngram:2", "none", "ngram:5"]) == 0
+    assert [(v.label, v.config.spec.method, v.config.spec.num_spec_tokens) for v in seen] == [
+        ("none", "none", 4), ("ngram:2", "ngram", 2), ("ngram:5", "ngram", 5)]
