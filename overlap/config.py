@@ -90,6 +90,7 @@ class SpecConfig:
     tree_depth: int = 3  # eagle: levels below the root
     tree_topk: int = 2  # eagle: children per node at most
     tree_tokens: int = 8  # eagle: nodes verified per step
+    tree: str = "static"  # eagle: static (fixed shape) | dynamic (EAGLE-2)
     ngram_min: int = 1
     ngram_max: int = 3
 

@@ -39,7 +39,7 @@ from overlap.models.llama import LlamaModel
 from overlap.sampling import SamplingTensors, probabilities, sample
 from overlap.spec.base import CatchUp, Proposal, Proposer
 from overlap.spec.draft_target import DraftTargetProposer, load_draft
-from overlap.spec.eagle import EagleProposer
+from overlap.spec.eagle import DynamicEagleProposer, EagleProposer
 from overlap.spec.mtp import MTPProposer
 from overlap.spec.ngram import NgramProposer
 from overlap.spec.rejection import verify_chain
@@ -60,7 +60,17 @@ class PreparedStep:
     sampling: SamplingTensors | None
     spec_ks: list[int] | None  # drafts per sequence on a speculative step, else None
     proposal: Proposal | None  # made on the host during prepare (host drafters)
-    tree_slots: torch.Tensor | None = None  # [B, N+1] i64 KV slots of the tree rows (EAGLE steps)
+    tree: "TreeBatch | None" = None  # EAGLE steps: the trees being verified
+
+
+@dataclass
+class TreeBatch:
+    slots: torch.Tensor  # [B, N+1] i64 KV slots of the rows [x_n, node_1..node_N]
+    parents: torch.Tensor  # [B, N] i64 (0 = root)
+    order: torch.Tensor  # [B, N] i64 index among siblings
+    depth: int
+    width: int  # children per node at most
+    nodes: torch.Tensor | None  # [B, N] i64 node tokens when known on the host (dynamic trees)
 
 
 @dataclass
@@ -227,11 +237,18 @@ class Executor:
         ks = [s.num_spec_tokens for s in plan.seqs] if spec else [0] * len(plan.seqs)
         proposal = None
         tree = getattr(self.proposer, "tree", None)
-        if spec and tree is not None and not all(k == tree.size for k in ks):
+        if spec and tree is not None and not all(k >= self.proposer.num_nodes for k in ks):
             # A tree step verifies the whole tree for every sequence; one that has no room for
             # it (near max_tokens or the context end) makes this a plain decode step.
             spec, ks = False, [0] * len(plan.seqs)
         tree = tree if spec else None
+        dynamic = None
+        if tree is not None and hasattr(self.proposer, "expand"):
+            # EAGLE-2's shape depends on the head's outputs, and the verify rows' positions and
+            # mask are laid out here: wait for the previous catch-up (it carries the logits to
+            # expand) and build the trees now. The documented syncs of dynamic trees.
+            self.streams.forward.synchronize()
+            dynamic = self.proposer.expand(plan.seqs)
         if spec and self.proposer.on_host:  # on_host proposers fill Proposal.host_tokens
             # Host drafters (n-gram) propose now, so the verify pass is sized to the drafts
             # they actually found, and a step where none are found is a plain decode.
@@ -249,12 +266,16 @@ class Executor:
             # On a speculative step each sequence's verify rows are [last token, drafts...];
             # device drafters' tokens are filled in by launch().
             drafts = proposal.host_tokens[i] if proposal is not None else [0] * ks[i]
-            q_len = len(s.token_ids) + ks[i]
+            if tree is not None:
+                drafts = dynamic[i].tokens if dynamic else [0] * self.proposer.num_nodes
+            q_len = len(s.token_ids) + len(drafts) if tree is not None else len(s.token_ids) + ks[i]
             ids += s.token_ids + drafts
             if tree is not None:
                 # [x_n, node_1..node_N] at positions n + depth, each row sees its ancestors.
-                positions += [s.start_pos + d for d in self.proposer.verify_depths]
-                attn.append(SeqAttention(q_len, s.start_pos + q_len, s.page_table, self.proposer.verify_mask))
+                depths = [0] + dynamic[i].depths if dynamic else self.proposer.verify_depths
+                mask = dynamic[i].mask if dynamic else self.proposer.verify_mask
+                positions += [s.start_pos + d for d in depths]
+                attn.append(SeqAttention(q_len, s.start_pos + q_len, s.page_table, mask))
                 tree_slots.append(slot_mapping(s.page_table, s.start_pos, s.start_pos + q_len, self.kv.page_size))
             else:
                 positions += range(s.start_pos, s.start_pos + q_len)
@@ -277,9 +298,20 @@ class Executor:
             sampled=sampled,
             sampling=sampling,
             spec_ks=ks if spec else None,
-            tree_slots=torch.tensor(tree_slots, dtype=torch.long, device=dev) if tree is not None else None,
+            tree=self._tree_batch(plan, tree_slots, dynamic) if tree is not None else None,
             proposal=proposal if spec else None,
         )
+
+    def _tree_batch(self, plan: BatchPlan, slots: list[list[int]], dynamic) -> TreeBatch:
+        dev, b = self.device, len(plan.seqs)
+        if dynamic:
+            rows = lambda key: torch.tensor([getattr(t, key) for t in dynamic], dtype=torch.long, device=dev)  # noqa: E731
+            return TreeBatch(torch.tensor(slots, dtype=torch.long, device=dev), rows("parents"), rows("order"),
+                             self.proposer.depth, self.proposer.topk, rows("tokens"))
+        shape = self.proposer.tree
+        fixed = lambda values: torch.tensor(values, dtype=torch.long, device=dev).expand(b, len(values))  # noqa: E731
+        return TreeBatch(torch.tensor(slots, dtype=torch.long, device=dev), fixed(shape.parents()),
+                         fixed(shape.sibling_order()), shape.depth, shape.max_children(), None)
 
     def _on_drafter_stream(self, fn) -> None:
         # A model drafter's state (KV, carried logits) is only touched by work on the forward
@@ -306,7 +338,7 @@ class Executor:
             self.streams.start_copy(copy, into.device_results())
 
     def _launch(self, step: PreparedStep, into: LaunchedStep, copy: HostCopy | None) -> None:
-        if step.tree_slots is not None:
+        if step.tree is not None:
             self._launch_tree(step, into, copy)
             return
         if step.spec_ks is not None:
@@ -324,10 +356,11 @@ class Executor:
     def _launch_tree(self, step: PreparedStep, into: LaunchedStep, copy: HostCopy | None) -> None:
         """EAGLE: draft a tree, verify every node in one target pass with the tree mask, walk
         it (tree.py), move the accepted path's KV into place; the head re-runs in catch-up."""
-        seqs, st, proposer = step.sampled, step.sampling, self.proposer
-        b, n, depth, dev = len(seqs), proposer.num_nodes, proposer.depth, self.device
-        # Stage 2: the tree's tokens, into rows 1..N of each sequence's [x_n, nodes] block.
-        nodes = proposer.propose_tree(seqs)  # [B, N]
+        seqs, st, proposer, tb = step.sampled, step.sampling, self.proposer, step.tree
+        b, n, depth, dev = len(seqs), proposer.num_nodes, tb.depth, self.device
+        # Stage 2: the tree's tokens, into rows 1..N of each sequence's [x_n, nodes] block
+        # (a dynamic tree's are already there: it was built while preparing).
+        nodes = tb.nodes if tb.nodes is not None else proposer.propose_tree(seqs)  # [B, N]
         starts = torch.tensor(step.row_starts, dtype=torch.long, device=dev)
         node_rows = (starts[:, None] + torch.arange(1, n + 1, device=dev)[None, :]).reshape(-1)
         ids = step.input_ids.clone()
@@ -336,13 +369,10 @@ class Executor:
         hidden, logits = self._target_forward(step, ids)  # logits [B*(N+1), V]
         rows_st = SamplingTensors.from_seqs(seqs, dev, repeats=[n + 1] * b)
         p = probabilities(logits, rows_st).view(b, n + 1, -1)
-        tree = proposer.tree
-        as_rows = lambda values: torch.tensor(values, dtype=torch.long, device=dev).expand(b, n)  # noqa: E731
         first = torch.tensor([s.end_pos for s in seqs], dtype=torch.long, device=dev)
-        tokens, accepted, path = verify_tree(p, nodes, as_rows(tree.parents()), as_rows(tree.sibling_order()),
-                                             depth, tree.max_children(), st.seed, first)
+        tokens, accepted, path = verify_tree(p, nodes, tb.parents, tb.order, depth, tb.width, st.seed, first)
         # Compaction: the node at depth i of the accepted path moves to slot n + i.
-        slots = step.tree_slots  # [B, N+1]
+        slots = tb.slots  # [B, N+1]
         keep = torch.arange(depth, device=dev)[None, :] < accepted[:, None]
         dst = slots[:, 1:depth + 1]
         src = torch.where(keep, slots.gather(1, path), dst)
@@ -502,7 +532,10 @@ def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | 
     if spec.method == "eagle":
         if not spec.head:
             raise ValueError("spec method 'eagle' needs spec.head (an MTP head directory)")
+        head, backend = load_head(spec.head, model), make_backend(config.attention_backend, config.device)
+        if spec.tree == "dynamic":
+            return DynamicEagleProposer(head, backend, config.cache.num_pages, config.cache.page_size,
+                                        spec.tree_depth, spec.tree_topk, spec.tree_tokens, scratch_page)
         shape = TreeShape.default(spec.tree_depth, spec.tree_topk, spec.tree_tokens)
-        return EagleProposer(load_head(spec.head, model), make_backend(config.attention_backend, config.device),
-                             config.cache.num_pages, config.cache.page_size, shape, scratch_page)
+        return EagleProposer(head, backend, config.cache.num_pages, config.cache.page_size, shape, scratch_page)
     raise ValueError(f"unknown spec method {spec.method!r} (none | draft | ngram | mtp | eagle)")

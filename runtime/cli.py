@@ -72,6 +72,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-depth", type=_positive_int, metavar="D", help="--spec eagle: tree levels (default 3)")
     g.add_argument("--tree-topk", type=_positive_int, metavar="K", help="--spec eagle: children per node (default 2)")
     g.add_argument("--tree-tokens", type=_positive_int, metavar="N", help="--spec eagle: tree nodes (default 8)")
+    g.add_argument("--tree", choices=("static", "dynamic"),
+                   help="--spec eagle: a fixed tree shape, or EAGLE-2's dynamic one (default: static)")
 
 
 def _spec_mode(text: str) -> str:
@@ -186,7 +188,8 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
             max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens)),
         spec=dataclasses.replace(config.spec, **given(
             method=spec_method, num_spec_tokens=args.num_spec_tokens, draft_model=args.draft_model,
-            head=args.head, tree_depth=args.tree_depth, tree_topk=args.tree_topk, tree_tokens=args.tree_tokens)),
+            head=args.head, tree_depth=args.tree_depth, tree_topk=args.tree_topk, tree_tokens=args.tree_tokens,
+            tree=args.tree)),
     )
     if config.spec.method == "draft":
         config = dataclasses.replace(config, spec=dataclasses.replace(

@@ -20,6 +20,8 @@ target's hidden states (MTPProposer.catch_up), which overwrites its expansion ro
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from overlap.attention.base import AttentionBackend, SeqAttention, tree_mask_from_parents
@@ -94,3 +96,102 @@ class EagleProposer(MTPProposer):
 
     def propose(self, seqs: list[SeqWork], ks: list[int], sampling: SamplingTensors):
         raise RuntimeError("the EAGLE drafter proposes trees (propose_tree); the executor verifies them")
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """One sequence's EAGLE-2 tree, known on the host: nodes 1..N parents first."""
+
+    tokens: list[int]
+    parents: list[int]  # 0 = root
+    depths: list[int]
+    order: list[int]  # index among siblings, best first
+
+    @property
+    def mask(self) -> torch.Tensor:
+        return tree_mask_from_parents([-1] + self.parents)
+
+
+class DynamicEagleProposer(EagleProposer):
+    """EAGLE-2 (Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with Dynamic
+    Draft Trees"): the tree's shape follows the head's confidence. Each level expands the
+    `topk` nodes with the highest cumulative draft log-probability (each into its `topk`
+    best children); after `depth` levels every candidate is reranked by cumulative
+    log-probability and the best `tokens` are verified (a child never outranks its parent,
+    so the kept set is a tree).
+
+    The shape is data, and the verify pass's layout (positions, the tree mask) is planned on
+    the host, so this proposer runs while the step is prepared and reads each level's
+    selection back to the host: a documented sync per level (the executor first waits for
+    the previous step's catch-up, whose carried logits it expands). The fixed-shape
+    EagleProposer has none of these syncs; that is the price of the dynamic shape here.
+    """
+
+    name = "eagle-dynamic"
+    on_host = False
+
+    def __init__(self, head: MTPHead, backend: AttentionBackend, num_pages: int, page_size: int,
+                 depth: int, topk: int, tokens: int, scratch_page: int | None = None):
+        # The fixed shape of the parent class only sizes the step: N nodes, depth D.
+        super().__init__(head, backend, num_pages, page_size, TreeShape.default(depth, topk, tokens), scratch_page)
+        self.topk, self.max_nodes = topk, tokens
+        self.num_nodes = min(tokens, topk + (depth - 1) * topk * topk)
+
+    def expand(self, seqs: list[SeqWork]) -> list[DynamicTree]:
+        b, k = len(seqs), self.topk
+        logits = torch.stack([self.carried[s.seq_id][0] for s in seqs])
+        hidden0 = torch.stack([self.carried[s.seq_id][1] for s in seqs])
+        # Candidate pool per sequence: (cum logp, token, parent candidate id or -1, depth).
+        pool: list[list[tuple[float, int, int, int]]] = [[] for _ in range(b)]
+        logp, tok = torch.topk(torch.log_softmax(logits, -1), k)
+        # The documented sync of dynamic trees: each level's choice is read back.
+        for i, (lp, tk) in enumerate(zip(logp.tolist(), tok.tolist())):
+            pool[i] = [(lp[j], tk[j], -1, 1) for j in range(k)]
+        frontier = [list(range(k)) for _ in range(b)]  # candidate ids expanded next
+        expanded: list[list[int]] = [[] for _ in range(b)]  # candidate ids the head has run on
+        out_hidden: list[dict[int, torch.Tensor]] = [dict() for _ in range(b)]
+        for level in range(2, self.depth + 1):
+            for i in range(b):
+                expanded[i] += frontier[i]
+            # 1. the head over every expanded node so far (ancestors visible), batched
+            ids, hid, positions, attn, last = [], [], [], [], []
+            for i, s in enumerate(seqs):
+                index = {c: r for r, c in enumerate(expanded[i])}
+                parents = [index.get(pool[i][c][2], -1) for c in expanded[i]]
+                for c in expanded[i]:
+                    _, t, parent, depth = pool[i][c]
+                    ids.append(t)
+                    hid.append(hidden0[i] if parent < 0 else out_hidden[i][parent])
+                    positions.append(s.start_pos - 1 + depth)
+                q = len(expanded[i])
+                attn.append(SeqAttention(q, s.start_pos + q, s.page_table, tree_mask=tree_mask_from_parents(parents)))
+                last += range(len(ids) - q, len(ids))
+            device = hidden0.device
+            out_logits, out_h = self._run(torch.tensor(ids, device=device), torch.stack(hid), positions, attn, last)
+            logp, tok = torch.topk(torch.log_softmax(out_logits, -1), k)
+            logp, tok = logp.tolist(), tok.tolist()
+            # 2. children of this level's frontier; the next frontier = the best k of them
+            row = 0
+            for i in range(b):
+                new = []
+                for c in expanded[i]:
+                    out_hidden[i][c] = out_h[row]
+                    if c in frontier[i]:
+                        cum, _, _, depth = pool[i][c]
+                        for j in range(k):
+                            pool[i].append((cum + logp[row][j], tok[row][j], c, depth + 1))
+                            new.append(len(pool[i]) - 1)
+                    row += 1
+                frontier[i] = sorted(new, key=lambda c: -pool[i][c][0])[:k]
+        return [self._rerank(p) for p in pool]
+
+    def _rerank(self, pool: list[tuple[float, int, int, int]]) -> DynamicTree:
+        keep = sorted(range(len(pool)), key=lambda c: (-pool[c][0], pool[c][3]))[: self.num_nodes]
+        keep.sort(key=lambda c: (pool[c][3], -pool[c][0]))  # parents first, best first
+        node = {c: i + 1 for i, c in enumerate(keep)}
+        parents = [node.get(pool[c][2], 0) for c in keep]
+        order, seen = [], {}
+        for p in parents:
+            order.append(seen.get(p, 0))
+            seen[p] = seen.get(p, 0) + 1
+        return DynamicTree([pool[c][1] for c in keep], parents, [pool[c][3] for c in keep], order)

@@ -15,8 +15,10 @@ from spec.test_mtp import heads, random_head, reference  # noqa: F401  (fixtures
 from spec.test_spec_engine import ALPHA, N_SAMPLES, exact_three_token_law, prompts, sample_three_tokens
 
 
-def engine(tiny_dirs, heads, target="target", depth=3, topk=2, tokens=6, page_size=16, num_pages=512, **sched):
-    spec = SpecConfig(method="eagle", head=str(heads[target]), tree_depth=depth, tree_topk=topk, tree_tokens=tokens)
+def engine(tiny_dirs, heads, target="target", depth=3, topk=2, tokens=6, page_size=16, num_pages=512,
+           tree="static", **sched):
+    spec = SpecConfig(method="eagle", head=str(heads[target]), tree_depth=depth, tree_topk=topk, tree_tokens=tokens,
+                      tree=tree)
     return Engine(EngineConfig(model=str(tiny_dirs[target]), spec=spec,
                                cache=CacheConfig(page_size=page_size, num_pages=num_pages),
                                scheduler=SchedulerConfig(**{"max_num_seqs": 64, "max_batched_tokens": 512,
@@ -25,19 +27,20 @@ def engine(tiny_dirs, heads, target="target", depth=3, topk=2, tokens=6, page_si
 
 
 @pytest.mark.parametrize("batch", [1, 4, 16])
-@pytest.mark.parametrize("depth,topk,tokens", [(3, 2, 6), (2, 3, 6)])
-def test_greedy_eagle_equals_plain(tiny_dirs, heads, reference, batch, depth, topk, tokens):
+@pytest.mark.parametrize("depth,topk,tokens,tree", [(3, 2, 6, "static"), (2, 3, 6, "static"), (3, 2, 6, "dynamic")])
+def test_greedy_eagle_equals_plain(tiny_dirs, heads, reference, batch, depth, topk, tokens, tree):
     ps = prompts(batch, seed=60 + batch)
-    eng = engine(tiny_dirs, heads, depth=depth, topk=topk, tokens=tokens)
+    eng = engine(tiny_dirs, heads, depth=depth, topk=topk, tokens=tokens, tree=tree)
     results = eng.generate(ps, SamplingParams(max_tokens=24, ignore_eos=True))
     assert [r.token_ids for r in results] == reference(ps, 24)
     assert sum(r.stats.get("drafts", 0) for r in results) > 0
     assert eng.stats()["free_pages"] == eng.stats()["total_pages"]
 
 
-def test_greedy_eagle_with_preemption(tiny_dirs, echo_heads, reference):
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_greedy_eagle_with_preemption(tiny_dirs, echo_heads, reference, tree):
     ps = prompts(8, seed=71)
-    eng = engine(tiny_dirs, echo_heads, page_size=4, num_pages=48, max_batched_tokens=48)
+    eng = engine(tiny_dirs, echo_heads, page_size=4, num_pages=48, max_batched_tokens=48, tree=tree)
     results = eng.generate(ps, SamplingParams(max_tokens=30, ignore_eos=True))
     assert eng.scheduler.num_preemptions > 0
     assert [r.token_ids for r in results] == reference(ps, 30)
@@ -75,9 +78,10 @@ def small_vocab_prompts(n):
 
 
 @pytest.mark.parametrize("batch", [1, 4, 16])
-def test_greedy_eagle_with_long_accepted_paths_equals_plain(tiny_dirs, echo_heads, reference, batch):
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_greedy_eagle_with_long_accepted_paths_equals_plain(tiny_dirs, echo_heads, reference, batch, tree):
     ps = prompts(batch, seed=80 + batch)
-    eng = engine(tiny_dirs, echo_heads, depth=4, topk=2, tokens=8)
+    eng = engine(tiny_dirs, echo_heads, depth=4, topk=2, tokens=8, tree=tree)
     results = eng.generate(ps, SamplingParams(max_tokens=32, ignore_eos=True))
     assert [r.token_ids for r in results] == reference(ps, 32)
     stats = [r.stats for r in results]
@@ -85,8 +89,9 @@ def test_greedy_eagle_with_long_accepted_paths_equals_plain(tiny_dirs, echo_head
     assert max(max(s.get("accepted_per_position", [0])[1:] or [0]) for s in stats) > 0  # depth >= 2
 
 
-def test_target_and_head_kv_after_tree_steps_equal_a_from_scratch_run(tiny_dirs, echo_heads):
-    eng = engine(tiny_dirs, echo_heads, page_size=4, tokens=8, depth=4)
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_target_and_head_kv_after_tree_steps_equal_a_from_scratch_run(tiny_dirs, echo_heads, tree):
+    eng = engine(tiny_dirs, echo_heads, page_size=4, tokens=8, depth=4, tree=tree)
     ps = prompts(3, seed=9)
     ids = [eng.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in ps]
     for _ in range(8):
@@ -114,10 +119,12 @@ def test_target_and_head_kv_after_tree_steps_equal_a_from_scratch_run(tiny_dirs,
     assert accepted_some
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=3)])
-def test_eagle_sampling_keeps_the_target_distribution(tiny_dirs, heads, params):
+@pytest.mark.parametrize("tree,params", [("static", SamplingParams(temperature=1.0)),
+                                         ("static", SamplingParams(temperature=0.8, top_k=3)),
+                                         ("dynamic", SamplingParams(temperature=1.0))])
+def test_eagle_sampling_keeps_the_target_distribution(tiny_dirs, heads, tree, params):
     eng = engine(tiny_dirs, heads, target="target_v6", depth=2, topk=2, tokens=5, max_num_seqs=500,
-                 max_batched_tokens=4096, num_pages=2048)
+                 max_batched_tokens=4096, num_pages=2048, tree=tree)
     counts = sample_three_tokens(eng, params)
     law = exact_three_token_law(eng.model, params)
     stat, df, p_value = chi_square_gof(counts, law)
