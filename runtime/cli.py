@@ -77,10 +77,13 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
 
 
 def _spec_mode(text: str) -> str:
-    """A bench mode: none | draft | ngram | mtp | eagle, optionally ":K" drafts (mtp:3)."""
+    """A bench mode: none | draft | ngram | mtp | eagle, optionally ":K" drafts (mtp:3), or
+    eagle:static / eagle:dynamic."""
     mode, _, k = text.partition(":")
     if mode not in SPEC_METHODS:
         raise argparse.ArgumentTypeError(f"unknown mode {mode!r} (choose from {', '.join(SPEC_METHODS)})")
+    if mode == "eagle" and k in ("", "static", "dynamic"):
+        return text
     if k and (not k.isdigit() or int(k) < 1 or mode in ("none", "eagle")):
         raise argparse.ArgumentTypeError(f"{text!r}: K must be a positive integer, for draft/ngram/mtp")
     return text
@@ -392,7 +395,9 @@ def _bench_variants(args: argparse.Namespace) -> list:
         for mode in modes:
             method, _, k = mode.partition(":")
             config = engine_config(args, method)
-            if k:
+            if k in ("static", "dynamic"):
+                config = dataclasses.replace(config, spec=dataclasses.replace(config.spec, tree=k))
+            elif k:
                 config = dataclasses.replace(config, spec=dataclasses.replace(config.spec, num_spec_tokens=int(k)))
             variants.append(Variant(mode, config))
             if args.no_overlap:
