@@ -106,7 +106,7 @@ def test_generate_chat_and_stop(capsys):
     (["bench", "--prompts", "PROMPTS", "--max-tokens", "0"], "max_tokens"),
     (["bench", "--prompts", "PROMPTS", "--concurrency", "0"], "--concurrency"),
     (["convert", "/nonexistent/model.gguf"], "does not exist"),
-    (["generate", "x", "--spec", "eagle"], "--spec"),
+    (["generate", "x", "--spec", "medusa"], "--spec"),
     (["bench", "--prompts", "PROMPTS", "--spec", "none", "bogus"], "--spec"),
     (["generate", "x", "--num-spec-tokens", "0"], "--num-spec-tokens"),
     (["generate", "x", "--spec", "draft", "--model", "/nonexistent/model.gguf"],
