@@ -1,0 +1,525 @@
+"""Train an MTP head (overlap/models/heads.py) for a target (default: the shipped SmolLM2-135M-Instruct).
+
+    python tools/train_mtp.py --out overlap/assets/smollm2-135m-mtp [--workdir runs/mtp] [--no-norms]
+
+The head is one decoder layer that reads a token and the target's hidden state; it shares the
+target's embeddings and lm_head (frozen, not stored). Head row j pairs x_{j+1} with H_j (the
+target's hidden at position j, after its final norm) and predicts x_{j+2}.
+
+Steps (each cached in --workdir and reused; training resumes with --resume):
+  1. corpus    as tools/distill_draft.py: Python stdlib sources (train / held-out split by file
+               hash), the target's greedy continuations of stdlib function headers and its
+               replies to templated chat instructions. --windows FILE replaces it with token
+               windows of your own ({"train": [[ids]], "eval": [[ids]]}).
+  2. hidden    OUR inference path (LlamaModel, ReferenceBackend, paged KV, several windows per
+               forward) runs the target over every window; its hidden states H (after the final
+               norm) are stored in bf16 next to the token ids, one file per part and split. The
+               target's logits are NOT stored: lm_head(H) recomputes them (the lm_head is frozen
+               and shared), 2 * hidden bytes per position instead of 4 * vocab.
+  3. train     inputs (x_{j+1}, H_j), targets H_{j+1} (smooth-L1 on the head hidden) and the
+               target's next-token distribution softmax(lm_head(H_{j+1})) (KL through the same
+               frozen lm_head), as EAGLE does. AdamW, warmup + cosine, clipping, bf16 autocast,
+               checkpoints every --ckpt-every steps. Batches depend only on (seed, step), so a
+               resumed run continues exactly as an uninterrupted one.
+  4. evaluate  held out: top-1 agreement with the target's greedy token (k=1), and chains of
+               --eval-k drafts that feed back the head's own hidden: per-position accuracy and
+               the expected acceptance length of greedy chains.
+  5. export    config.json + model.safetensors (head weights only, bf16) + train_report.json.
+
+--no-norms trains the original-EAGLE layout (no norms around the fuse) on the same data, steps
+and seed, for the ablation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from corpus import chat_instructions  # noqa: E402
+from overlap.attention import ReferenceBackend, SeqAttention  # noqa: E402
+from overlap.models.heads import MTPHead, save_head  # noqa: E402
+from overlap.models.llama import LlamaModel, load_llama  # noqa: E402
+from overlap.models.loading import load_tokenizer, resolve_model_dir  # noqa: E402
+
+PARTS = ("code", "chat", "gen_code")  # tools/distill_draft.py's parts
+PAGE = 16
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", "--tiny-target", dest="model", default=None,
+                    help="target: GGUF or HF dir (default: shipped SmolLM2)")
+    ap.add_argument("--out", required=True, help="directory for the exported head")
+    ap.add_argument("--workdir", default="runs/mtp", help="cached hidden states and checkpoints")
+    ap.add_argument("--no-norms", dest="norms", action="store_false",
+                    help="original-EAGLE layout: no norms on the fuse inputs, no final norm")
+    ap.add_argument("--windows", default=None, help='JSON {"train": [[ids]], "eval": [[ids]]}: '
+                    "your own token windows instead of the built-in corpus")
+    # corpus (names as in distill_draft, whose builders are reused)
+    ap.add_argument("--seq-len", type=int, default=256, help="head rows per training window")
+    ap.add_argument("--max-train-tokens", type=int, default=150_000, help="stdlib code tokens")
+    ap.add_argument("--max-eval-tokens", type=int, default=12_000)
+    ap.add_argument("--chat-answers", type=int, default=160, help="self-distilled chat replies (0: none)")
+    ap.add_argument("--chat-tokens", type=int, default=192, help="tokens per self-distilled reply")
+    ap.add_argument("--code-answers", type=int, default=128,
+                    help="self-distilled continuations of stdlib function headers (0: none)")
+    ap.add_argument("--self-weight", type=int, default=3, help="oversampling of self-distilled parts")
+    ap.add_argument("--precompute-batch", type=int, default=8, help="windows per target forward")
+    ap.add_argument("--precompute-only", action="store_true", help="stop after caching the hidden states")
+    # training
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--batch-size", type=int, default=4, help="windows per step")
+    ap.add_argument("--crop", type=int, default=128,
+                    help="head rows per window in a step: a random crop (0: all --seq-len)")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--reg-weight", type=float, default=1.0, help="smooth-L1(head hidden, H_{j+1})")
+    ap.add_argument("--kl-weight", type=float, default=1.0, help="KL(target || head) next-token")
+    ap.add_argument("--loss-vocab", type=int, default=8192,
+                    help="the KL runs over this many most frequent training tokens (0: all); "
+                         "evaluation always uses the full vocabulary")
+    ap.add_argument("--init-layer", type=int, default=None,
+                    help="start the layer as a copy of this target layer and the fuse as the mean of "
+                         "its inputs (default: random, EAGLE's start; it trained faster in a pilot)")
+    ap.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    ap.add_argument("--ckpt-every", type=int, default=100)
+    ap.add_argument("--resume", action="store_true", help="continue from the variant's checkpoint")
+    ap.add_argument("--stop-after", type=int, default=None,
+                    help="leave after this step with only the checkpoint written (an interruption)")
+    ap.add_argument("--eval-k", type=int, default=3, help="chain length of the held-out evaluation")
+    ap.add_argument("--engine-validate", type=int, default=0,
+                    help="after export, run this many held-out chat prompts through the engine "
+                         "(needs overlap.spec.mtp)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    return ap.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------- 1. corpus
+
+def corpus_windows(name: str, split: str, args, tokenizer, target: LlamaModel) -> list[list[int]]:
+    """distill_draft's part builders, with windows of seq_len + 1 tokens (seq_len head rows)."""
+    from distill_draft import build_part
+
+    opts = SimpleNamespace(window=args.seq_len + 1, max_train_tokens=args.max_train_tokens,
+                           max_eval_tokens=args.max_eval_tokens, chat_answers=args.chat_answers,
+                           chat_tokens=args.chat_tokens, code_answers=args.code_answers, seed=args.seed)
+    return [w for w in build_part(name, split, opts, tokenizer, target) if len(w) >= 2]
+
+
+def part_settings(name: str, args, model_dir) -> dict:
+    """What a cached part depends on; a cache made with other settings is rebuilt."""
+    common = {"model": str(model_dir), "window": args.seq_len + 1, "seed": args.seed}
+    if args.windows:
+        digest = hashlib.sha1(Path(args.windows).read_bytes()).hexdigest()
+        return {**common, "windows": str(Path(args.windows).resolve()), "sha1": digest}
+    return {**common, **{"code": {"train": args.max_train_tokens, "eval": args.max_eval_tokens},
+                         "chat": {"n": args.chat_answers, "tokens": args.chat_tokens},
+                         "gen_code": {"n": args.code_answers, "tokens": args.chat_tokens}}[name]}
+
+
+def load_parts(args, model_dir, target: LlamaModel, work: Path) -> dict:
+    """{(name, split): {"ids" [N] i32, "offsets" [W + 1] i64, "hidden" [N, hidden] bf16}}."""
+    names = ("windows",) if args.windows else PARTS
+    given = json.loads(Path(args.windows).read_text()) if args.windows else None
+    parts = {}
+    for name in names:
+        settings = part_settings(name, args, model_dir)
+        for split in ("train", "eval"):
+            path = work / f"hidden_{name}_{split}.pt"
+            data = torch.load(path) if path.exists() else None
+            if data is None or data["settings"] != settings:
+                windows = ([w[: args.seq_len + 1] for w in given[split]] if given
+                           else corpus_windows(name, split, args, load_tokenizer(model_dir), target))
+                hidden = target_hidden(target, windows, args.precompute_batch, f"target hidden ({name}/{split})")
+                lengths = torch.tensor([0] + [len(w) for w in windows])
+                data = {"settings": settings, "ids": torch.tensor([t for w in windows for t in w], dtype=torch.int32),
+                        "offsets": lengths.cumsum(0), "hidden": hidden}
+                tmp = path.with_suffix(".tmp")
+                torch.save(data, tmp)
+                tmp.replace(path)
+            parts[name, split] = data
+    return parts
+
+
+# ---------------------------------------------------------------------------- 2. hidden
+
+@torch.inference_mode()
+def target_hidden(target: LlamaModel, windows: list[list[int]], batch: int, desc: str) -> torch.Tensor:
+    """H [sum of lengths, hidden] bf16: the target's hidden after its final norm, every position
+    of every window (each window its own sequence from position 0), `batch` windows a forward."""
+    backend = ReferenceBackend()
+    out = []
+    for i in tqdm(range(0, len(windows), batch), desc=desc):
+        chunk = windows[i: i + batch]
+        seqs, pages = [], 0
+        for w in chunk:
+            n = -(-len(w) // PAGE)
+            seqs.append(SeqAttention(len(w), len(w), list(range(pages, pages + n))))
+            pages += n
+        kv = target.new_kv_pool(pages, PAGE)
+        meta = backend.plan(seqs, PAGE)
+        ids = torch.tensor([t for w in chunk for t in w])
+        positions = torch.cat([torch.arange(len(w)) for w in chunk])
+        hidden, _ = target(ids, positions, backend, kv, meta)
+        out.append(hidden.to(torch.bfloat16))
+    return torch.cat(out) if out else torch.zeros(0, target.cfg.hidden_size, dtype=torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------- 3. train
+
+class Windows:
+    """Windows of several parts in flat tensors; `picks` lists window indices, repeated for
+    oversampling (the data itself is stored once)."""
+
+    def __init__(self, parts: list[dict], weights: list[int], kinds: list[str]):
+        self.ids = torch.cat([p["ids"] for p in parts]).long()
+        self.hidden = torch.cat([p["hidden"] for p in parts])
+        self.spans, self.kinds, self.picks = [], [], []  # (start, length) per window
+        base = 0
+        for p, weight, kind in zip(parts, weights, kinds):
+            off = p["offsets"].tolist()
+            for a, b in zip(off[:-1], off[1:]):
+                self.picks += [len(self.spans)] * weight
+                self.spans.append((base + a, b - a))
+                self.kinds.append(kind)
+            base += off[-1]
+
+    def batch(self, step: int, size: int, rows: int, seed: int):
+        """Step `step`'s batch, a function of (seed, step) only: tokens [B, R] i64 (x_{j+1}),
+        h_in [B, R, hidden] (H_j), h_next [B, R, hidden] (H_{j+1}), positions [B, R] i64 (j),
+        mask [B, R] f32 (0 on padding at the end of short windows)."""
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        hid = self.hidden.shape[1]
+        tokens = torch.zeros(size, rows, dtype=torch.long)
+        positions = torch.zeros(size, rows, dtype=torch.long)
+        h_in = torch.zeros(size, rows, hid, dtype=self.hidden.dtype)
+        h_next = torch.zeros_like(h_in)
+        mask = torch.zeros(size, rows)
+        for b, i in enumerate(torch.randint(len(self.picks), (size,), generator=gen).tolist()):
+            start, length = self.spans[self.picks[i]]
+            n = min(length - 1, rows)
+            a = int(torch.randint(length - n, (1,), generator=gen))  # crop offset in the window
+            s = start + a
+            tokens[b, :n] = self.ids[s + 1: s + 1 + n]
+            h_in[b, :n] = self.hidden[s: s + n]
+            h_next[b, :n] = self.hidden[s + 1: s + 1 + n]
+            positions[b, :n] = torch.arange(a, a + n)
+            mask[b, :n] = 1
+        return tokens, h_in, h_next, positions, mask
+
+
+def init_head(head: MTPHead, target: LlamaModel, layer: int | None, seed: int) -> None:
+    """The layer starts as a copy of target layer `layer` and the fuse as the mean of its two
+    inputs (plus noise); layer=None: both random (std 0.02). Norms start as ones."""
+    gen = torch.Generator().manual_seed(seed)
+    h = head.cfg.hidden_size
+    with torch.no_grad():
+        if layer is None:
+            for name, p in head.named_parameters():
+                if "norm" not in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            return
+        eye = torch.eye(h)
+        head.fuse.copy_(0.5 * torch.cat([eye, eye], 1) + 0.01 * torch.randn(h, 2 * h, generator=gen))
+        src = target.layers[layer]
+        for name, p in head.layer.named_parameters():
+            p.copy_(src.get_parameter(name).float())
+
+
+def loss_terms(head: MTPHead, lm_rows: torch.Tensor, tokens, h_in, h_next, positions, mask, args):
+    """(loss, {reg, kl, acc}) of one batch: smooth-L1(g_j, H_{j+1}) + KL(p_target || p_head),
+    both distributions over the lm_head rows `lm_rows` [Vs, hidden] (the loss vocabulary: the
+    softmaxes over 49k columns, not the matmuls, dominate a CPU step)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.fp32):
+        g, _ = head.forward_dense(tokens, h_in.float(), positions)
+        logits = F.linear(g, lm_rows)
+        with torch.no_grad():
+            t_logits = F.linear(h_next.float(), lm_rows)
+    logq = torch.log_softmax(logits.float(), -1)
+    with torch.no_grad():
+        logp = torch.log_softmax(t_logits.float(), -1)
+        p = logp.exp()
+    kl = (p * (logp - logq)).sum(-1)  # [B, R]
+    reg = F.smooth_l1_loss(g.float(), h_next.float(), reduction="none").mean(-1)
+    n = mask.sum().clamp_min(1)
+    loss = ((args.reg_weight * reg + args.kl_weight * kl) * mask).sum() / n
+    with torch.no_grad():
+        acc = ((logits.argmax(-1) == t_logits.argmax(-1)).float() * mask).sum() / n
+        terms = {"reg": float((reg * mask).sum() / n), "kl": float((kl * mask).sum() / n), "acc": float(acc)}
+    return loss, terms
+
+
+def rows_per_window(args) -> int:
+    return min(args.crop or args.seq_len, args.seq_len)
+
+
+def train_signature(args) -> dict:
+    keys = ("norms", "seq_len", "crop", "batch_size", "lr", "warmup", "steps", "reg_weight", "kl_weight",
+            "init_layer", "fp32", "seed", "self_weight", "loss_vocab")
+    return {k: getattr(args, k) for k in keys}
+
+
+def loss_vocab(data: "Windows", vocab: int, size: int) -> torch.Tensor:
+    """[Vs] i64 sorted ids of the `size` most frequent training tokens (all when size is 0)."""
+    if not size or size >= vocab:
+        return torch.arange(vocab)
+    counts = torch.bincount(data.ids, minlength=vocab)
+    return counts.topk(size).indices.sort().values
+
+
+def train(args, head: MTPHead, data: Windows, vocab_ids: torch.Tensor, ckpt: Path) -> list[dict]:
+    # Frozen, so gathered once (in f32 without autocast, else the matmul would run in bf16).
+    lm_rows = head.lm_head[vocab_ids].to(torch.float32 if args.fp32 else head.lm_head.dtype)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.warmup)
+                                              * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    step, history = 0, []
+    if args.resume and ckpt.exists():
+        state = torch.load(ckpt)
+        if state["signature"] != train_signature(args):
+            diff = {k: (v, state["signature"].get(k)) for k, v in train_signature(args).items()
+                    if state["signature"].get(k) != v}
+            raise SystemExit(f"--resume: {ckpt} was made with other settings (now, then): {diff}")
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        step, history = state["step"], state["history"]
+        print(f"resumed from step {step}")
+    elif ckpt.exists():
+        print(f"{ckpt} exists; starting over (pass --resume to continue it)")
+    stop = min(args.steps, args.stop_after or args.steps)
+    bar = tqdm(total=args.steps, initial=step, desc=f"train ({'norms' if args.norms else 'no norms'})")
+    head.train()
+    while step < stop:
+        loss, terms = loss_terms(head, lm_rows, *data.batch(step, args.batch_size, rows_per_window(args), args.seed), args)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        history.append({"loss": float(loss.detach()), **terms})
+        bar.update(1)
+        recent = history[-20:]
+        bar.set_postfix(loss=f"{sum(h['loss'] for h in recent) / len(recent):.3f}",
+                        acc=f"{sum(h['acc'] for h in recent) / len(recent):.3f}")
+        if step % args.ckpt_every == 0 or step == stop:
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                        "step": step, "history": history, "signature": train_signature(args)}, tmp)
+            tmp.replace(ckpt)  # atomic: a kill mid-save never corrupts the checkpoint
+    bar.close()
+    return history
+
+
+def curve_summary(history: list[dict], points: int = 20) -> list[dict]:
+    """Mean loss terms over `points` equal stretches of training."""
+    out, size = [], max(1, len(history) // points)
+    for i in range(0, len(history), size):
+        part = history[i: i + size]
+        out.append({"steps": [i + 1, i + len(part)],
+                    **{k: round(sum(h[k] for h in part) / len(part), 4) for k in part[0]}})
+    return out
+
+
+# ---------------------------------------------------------------------------- 4. evaluate
+
+@torch.no_grad()
+def evaluate(head: MTPHead, data: Windows, k: int, fp32: bool, vocab_ids: torch.Tensor) -> dict:
+    """Held-out agreement with the target's greedy tokens t_i = argmax lm_head(H_i) (the token
+    the target puts after position i).
+
+    top1: draft 1 of row j (x_{j+1}, H_j) equals t_{j+1}, over every row.
+    chain: row j drafts d_1..d_k, step i feeding (d_{i-1}, head hidden of step i-1) at position
+    j+i-1 (what the runtime does for k > 1). d_i is compared with t_{j+i}. The target's tokens
+    after a draft are only known where the data took the same token, so chains are scored at
+    the starts where x_{j+i+1} = t_{j+i} for i < k (the target's own greedy continuation: all
+    of a self-distilled reply, where greedy decoding spends its time).
+    prefix_match[i]: fraction of those starts whose drafts 1..i all match (what the engine
+    reports as acceptance per position); expected acceptance length = 1 + sum of prefix_match.
+    """
+    head.eval()
+    stats: dict[str, dict] = {}
+    for w, (start, length) in enumerate(data.spans):
+        if length < k + 2:
+            continue
+        ids = data.ids[start: start + length]
+        hidden = data.hidden[start: start + length]
+        n = length - 1  # head rows
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not fp32):
+            t = head.dense_logits(hidden[None].float()).argmax(-1)[0]  # [length]
+            tokens, h, past, drafts = ids[None, 1:], hidden[None, :-1].float(), [], []
+            for i in range(k):
+                g, kv = head.forward_dense(tokens, h, torch.arange(i, n + i), past or None)
+                tokens, h = head.dense_logits(g).argmax(-1), g
+                past.append(kv)
+                drafts.append(tokens[0])
+        s = stats.setdefault(data.kinds[w], {"rows": 0, "top1": 0, "starts": 0,
+                                             "match": [0] * k, "prefix": [0] * k, "greedy": []})
+        s["rows"] += n
+        s["top1"] += int((drafts[0] == t[1:]).sum())
+        s["greedy"].append(t[1:])
+        # Chain starts j = 0 .. n-k: on the target's greedy path for the tokens drafted before.
+        starts = n - k + 1
+        on_path = torch.ones(starts, dtype=torch.bool)
+        for i in range(1, k):
+            on_path &= ids[i + 1: i + 1 + starts] == t[i: i + starts]
+        ok = torch.ones(starts, dtype=torch.bool)
+        s["starts"] += int(on_path.sum())
+        for i in range(k):
+            hit = (drafts[i][:starts] == t[i + 1: i + 1 + starts]) & on_path
+            ok &= hit
+            s["match"][i] += int(hit.sum())
+            s["prefix"][i] += int(ok.sum())
+    out = _metrics(stats, k)
+    # How much of what the target says next the training loss saw (the rest: regression only).
+    greedy = torch.cat([g for s in stats.values() for g in s["greedy"]])
+    inside = torch.zeros(head.cfg.vocab_size, dtype=torch.bool)
+    inside[vocab_ids] = True
+    return {**out, "loss_vocab_coverage": float(inside[greedy].float().mean())}
+
+
+def _metrics(stats: dict, k: int) -> dict:
+    def summarise(s):
+        greedy = torch.cat(s["greedy"])
+        prefix = [p / max(1, s["starts"]) for p in s["prefix"]]
+        return {"top1": s["top1"] / max(1, s["rows"]), "rows": s["rows"],
+                # Always guessing the most common target token: the floor top1 must clear.
+                "majority_baseline": float(torch.bincount(greedy).max()) / max(1, len(greedy)),
+                "chain_starts": s["starts"],
+                "chain_accuracy": [m / max(1, s["starts"]) for m in s["match"]],
+                "chain_prefix_match": prefix,
+                "chain_conditional_accuracy": [p / q if q else 0.0 for p, q in zip(prefix, [1.0] + prefix)],
+                "expected_acceptance_length": 1 + sum(prefix)}
+
+    total = {"rows": 0, "top1": 0, "starts": 0, "match": [0] * k, "prefix": [0] * k, "greedy": []}
+    for s in stats.values():
+        for key in ("rows", "top1", "starts"):
+            total[key] += s[key]
+        for key in ("match", "prefix"):
+            total[key] = [a + b for a, b in zip(total[key], s[key])]
+        total["greedy"] += s["greedy"]
+    out = {"k": k, **summarise(total)}
+    if len(stats) > 1:
+        out["by_kind"] = {kind: summarise(s) for kind, s in sorted(stats.items())}
+    return out
+
+
+def validate_with_engine(head_dir, prompts: list[str], k: int = 3, model: str | None = None,
+                         max_tokens: int = 128, chat: bool = True) -> dict:
+    """Greedy generation through the real engine with the MTP proposer: acceptance length and
+    per-position acceptance from the requests' stats (runtime.bench.acceptance)."""
+    try:
+        import overlap.spec.mtp  # noqa: F401
+    except ImportError as exc:
+        raise NotImplementedError("engine validation needs the MTP proposer (overlap.spec.mtp)") from exc
+    from overlap.config import EngineConfig, SpecConfig
+    from runtime.bench import acceptance
+    from runtime.engine import Engine
+    from runtime.messages import SamplingParams
+
+    spec = SpecConfig(method="mtp", num_spec_tokens=k, head=str(head_dir))
+    engine = Engine(EngineConfig(model=model, spec=spec), progress=False)
+    try:
+        results = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0), chat=chat)
+    finally:
+        engine.close()
+    return {"prompts": len(prompts), "k": k, **acceptance([r.stats for r in results])}
+
+
+# ---------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    model_dir = resolve_model_dir(args.model)
+    target = load_llama(model_dir, torch.bfloat16)
+    # 1. corpus and 2. hidden states, per part
+    parts = load_parts(args, model_dir, target, work)
+    names = sorted({n for n, _ in parts}, key=lambda n: (PARTS + ("windows",)).index(n))
+    # The target's own continuations are what the head meets at inference: oversample them.
+    weights = [1 if n in ("code", "windows") else args.self_weight for n in names]
+    train_data = Windows([parts[n, "train"] for n in names], weights, list(names))
+    eval_data = Windows([parts[n, "eval"] for n in names], [1] * len(names), list(names))
+    data_s = time.time() - started
+    sizes = {"train_windows": len(train_data.spans), "train_tokens": len(train_data.ids),
+             "train_tokens_oversampled": sum(train_data.spans[i][1] for i in train_data.picks),
+             "eval_windows": len(eval_data.spans), "eval_tokens": len(eval_data.ids),
+             "by_part": {n: {s: len(parts[n, s]["ids"]) for s in ("train", "eval")} for n in names}}
+    print(f"data: {json.dumps(sizes)}")
+    if args.precompute_only:
+        return 0
+    # 3. the head, trained in f32 (bf16 autocast) against the frozen bf16 target
+    head = MTPHead(target.cfg, target, norms=args.norms, dtype=torch.float32)
+    init_head(head, target, args.init_layer, args.seed)
+    variant = "norms" if args.norms else "no_norms"
+    t0 = time.time()
+    vocab_ids = loss_vocab(train_data, target.cfg.vocab_size, args.loss_vocab)
+    before = evaluate(head, eval_data, args.eval_k, args.fp32, vocab_ids)
+    history = train(args, head, train_data, vocab_ids, work / f"ckpt_{variant}.pt")
+    train_s = time.time() - t0
+    if len(history) < args.steps:
+        print(f"stopped after step {len(history)} (--stop-after); resume with --resume")
+        return 0
+    # 4. evaluate
+    t0 = time.time()
+    after = evaluate(head, eval_data, args.eval_k, args.fp32, vocab_ids)
+    eval_s = time.time() - t0
+    tail = history[-50:]
+    report = {
+        "variant": variant, "norms": args.norms, "target": str(model_dir),
+        "alignment": "head row j: token x_{j+1} + target hidden H_j (after the target's final norm), "
+                     "position j → predicts x_{j+2}",
+        "data": sizes,
+        "corpus": (f"token windows from {args.windows}" if args.windows else
+                   "Python stdlib sources (held out by file hash), the target's greedy continuations of "
+                   "stdlib function headers, and its replies to templated chat instructions"),
+        "train": {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                  "crop": rows_per_window(args), "lr": args.lr,
+                  "warmup": args.warmup, "loss_vocab": len(vocab_ids), "reg_weight": args.reg_weight, "kl_weight": args.kl_weight,
+                  "init": "random" if args.init_layer is None else f"target layer {args.init_layer}", "autocast": "off (f32)" if args.fp32 else "bf16",
+                  "seed": args.seed, "threads": torch.get_num_threads(),
+                  "final": {k: sum(h[k] for h in tail) / len(tail) for k in tail[0]},
+                  "curve": curve_summary(history)},
+        "before_training": before,
+        "held_out": after,
+        "seconds": {"data": round(data_s, 1), "train": round(train_s, 1), "eval": round(eval_s, 1),
+                    "total": round(time.time() - started, 1)},
+    }
+    # 5. export
+    out = Path(args.out)
+    save_head(head, out, {"target": Path(str(model_dir)).name, "trained_steps": args.steps})
+    if args.engine_validate:
+        held_out = [x for i, x in enumerate(chat_instructions()) if i % 10 == 0][: args.engine_validate]
+        try:
+            report["engine"] = validate_with_engine(out, held_out, args.eval_k, args.model)
+        except NotImplementedError as exc:
+            report["engine"] = f"skipped: {exc}"
+    (out / "train_report.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps({k: report[k] for k in ("variant", "data", "held_out", "seconds")}, indent=2))
+    print(f"head written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
