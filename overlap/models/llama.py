@@ -76,6 +76,9 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(h, cfg.intermediate_size))
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        # Tensor parallelism (models/tp.py): the sum of the ranks' partial outputs of the
+        # row-parallel o_proj and down_proj; None on a single device.
+        self.reduce = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 backend: AttentionBackend, kv: KVPool, meta: Any) -> torch.Tensor:
@@ -88,10 +91,12 @@ class DecoderLayer(nn.Module):
         v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
         kv.write(self.index, meta.slots, k, v)
         attn = backend.run(self.index, q, kv, meta).view(t, -1)
-        x = x + linear(attn, self.o_proj)
+        out = linear(attn, self.o_proj)
+        x = x + (out if self.reduce is None else self.reduce(out))
         # 2. SwiGLU MLP.
         gate, up = linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, -1)
-        return x + linear(F.silu(gate) * up, self.down_proj)
+        out = linear(F.silu(gate) * up, self.down_proj)
+        return x + (out if self.reduce is None else self.reduce(out))
 
 
 class LlamaModel(nn.Module):
@@ -126,7 +131,7 @@ class LlamaModel(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """input_ids, positions [T] i64 → (hidden [T, hidden] after the final norm,
         logits [len(logits_indices), vocab] f32 or None)."""
-        x = self.embed_tokens[input_ids]
+        x = self.embed(input_ids)
         rope = self.rope.lookup(positions)
         for layer in self.layers:
             x = layer(x, rope, backend, kv, meta)
@@ -134,6 +139,10 @@ class LlamaModel(nn.Module):
         if logits_indices is None:
             return hidden, None
         return hidden, self.compute_logits(hidden[logits_indices])
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] i64 → [T, hidden]."""
+        return self.embed_tokens[input_ids]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → logits [N, vocab] f32."""
