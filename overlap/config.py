@@ -102,6 +102,8 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"  # auto | reference | flashinfer
     overlap: bool = True  # plan step N+1 while the device runs step N's drafter catch-up
+    tensor_parallel: int = 1  # ranks the target is sharded over (torch.distributed; gloo on CPU)
+    tp_timeout_s: float = 60.0  # a collective waiting longer than this fails (a rank died)
     # Decode, draft and verify steps padded to batch-size buckets and replayed as CUDA graphs:
     # auto = on CUDA only; on = also pad on the CPU (eager: what the graphs replay, for tests).
     graphs: str = "auto"  # auto | on | off

@@ -53,6 +53,15 @@ class _Request:
 class Engine:
     def __init__(self, config: EngineConfig = EngineConfig(), progress: bool = True):
         model_dir = resolve_model_dir(config.model, progress=progress)
+        if config.tensor_parallel > 1:
+            import tempfile
+
+            from overlap.tp_group import start_group
+
+            self._rendezvous = tempfile.TemporaryDirectory(prefix="overlap-tp-")
+            executor, model = start_group(config, str(model_dir), self._rendezvous.name)
+            self._setup(config, model, load_tokenizer(model_dir), executor)
+            return
         model = load_llama(model_dir, torch_dtype(config.dtype), config.device)
         self._setup(config, model, load_tokenizer(model_dir))
 
@@ -63,14 +72,14 @@ class Engine:
         engine._setup(config, model, tokenizer)
         return engine
 
-    def _setup(self, config: EngineConfig, model: LlamaModel, tokenizer) -> None:
+    def _setup(self, config: EngineConfig, model: LlamaModel, tokenizer, executor=None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.model = model
-        cfg = self.model.cfg
+        cfg = getattr(model, "full_cfg", model.cfg)  # a tensor-parallel shard's local config is smaller
         self.limits = RequestLimits.of(config, cfg)
         self.max_model_len = self.limits.max_model_len
-        self.executor = build_executor(config, self.model)
+        self.executor = executor or build_executor(config, self.model)
         self.allocator = PageAllocator(config.cache.num_pages, config.cache.page_size)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
         self.scheduler = Scheduler(sched_cfg, self.allocator, self._eos_ids())
@@ -78,7 +87,7 @@ class Engine:
         self._seeds = random.Random()
 
     def _eos_ids(self) -> tuple[int, ...]:
-        return eos_token_ids(self.model.cfg, self.tokenizer)
+        return eos_token_ids(getattr(self.model, "full_cfg", self.model.cfg), self.tokenizer)
 
     # -- requests --------------------------------------------------------------------------
 

@@ -37,3 +37,55 @@ def test_sharded_forward_matches_unsharded(tmp_path, heads, kv_heads, vocab, tie
     assert got["kv_heads"] == -(-kv_heads // 2) and got["vocab"] == -(-vocab // 2)
     full = sum(p.numel() for p in load_llama(model_dir, torch.float32).parameters())
     assert got["params"] < 0.7 * full  # rank 0 holds about half (norms are replicated)
+
+
+def tp_engine(model_dir, world, **kw):
+    from overlap.config import EngineConfig
+    from runtime.engine import Engine
+
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")])
+    return Engine(EngineConfig(model=str(model_dir), dtype="float32", tensor_parallel=world, **kw), progress=False)
+
+
+@pytest.fixture(scope="module")
+def uneven_model(tmp_path_factory, smol_dir):
+    cfg = tiny_hf_config(vocab=49152, hidden=48, heads=6, kv_heads=3, layers=2, intermediate=96)
+    return save_hf_dir(hf_model(cfg, seed=5), cfg, tmp_path_factory.mktemp("tp") / "m", tokenizer_dir=smol_dir)
+
+
+def test_tp2_engine_greedy_equals_tp1(uneven_model):
+    from runtime.messages import SamplingParams
+
+    prompts = [[5, 17, 3, 9, 40, 2], [11, 7, 23], list(range(100, 130))]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    single = tp_engine(uneven_model, 1)
+    want = [r.token_ids for r in single.generate(prompts, params)]
+    single.close()
+    eng = tp_engine(uneven_model, 2)
+    try:
+        got = [r.token_ids for r in eng.generate(prompts, params)]
+    finally:
+        eng.close()
+    assert got == want
+
+
+def test_a_dead_rank_fails_the_step_instead_of_hanging(uneven_model):
+    import time
+
+    from overlap.device import DeviceError
+    from runtime.messages import SamplingParams
+
+    eng = tp_engine(uneven_model, 2, tp_timeout_s=10.0)
+    try:
+        eng.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+        follower = eng.executor.followers[0]
+        follower.kill()
+        follower.join(10)
+        eng.add_request([8, 9, 10], SamplingParams(max_tokens=8))
+        start = time.monotonic()
+        with pytest.raises((DeviceError, RuntimeError)):
+            for _ in range(10):
+                eng.step()
+        assert time.monotonic() - start < 30
+    finally:
+        eng.executor.executor.close()
