@@ -19,7 +19,9 @@ an endless hang.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+from pathlib import Path
 
 import msgspec
 import torch
@@ -33,10 +35,10 @@ STOP = -1  # broadcast length that tells the followers to leave
 
 
 def init_group(rank: int, world: int, rendezvous: str, timeout_s: float = 60.0):
-    """Initialise torch.distributed (gloo) and return the plan-broadcast group."""
-    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    """Initialise torch.distributed (gloo) → (the plan-broadcast group, the drafts group)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world, timeout=timeout)
+    return dist.new_group(backend="gloo", timeout=timeout), dist.new_group(backend="gloo", timeout=timeout)
 
 
 class PlanBroadcast:
@@ -111,11 +113,13 @@ def run_follower(rank: int, world: int, config, model_dir: str, rendezvous: str)
     from overlap.models.loading import read_model_config
     from overlap.models.tp import Collectives, Shard, load_sharded
 
-    group = init_group(rank, world, rendezvous, config.tp_timeout_s)
+    group, drafts = init_group(rank, world, rendezvous, config.tp_timeout_s)
     cfg = ModelConfig.from_hf(read_model_config(model_dir))
     model = load_sharded(model_dir, Shard.of(cfg, rank, world), Collectives(world), torch_dtype(config.dtype),
                          config.device)
-    executor = build_executor(config, model)
+    proposer = FollowerProposer(SharedProposals(drafts)) if config.spec.method == "draft" else None
+    executor = build_executor(config.replace(spec=dataclasses.replace(config.spec, method="none")), model)
+    executor.proposer = proposer
     try:
         follow(executor, PlanBroadcast(group))
     finally:
@@ -133,16 +137,117 @@ def start_group(config, model_dir: str, rendezvous_dir: str) -> tuple[LeaderExec
     from overlap.models.tp import Collectives, Shard, load_sharded
 
     world = config.tensor_parallel
-    if config.spec.method != "none":
-        raise ValueError("tensor parallelism runs without speculation for now (spec method none)")
+    if config.spec.method not in ("none", "draft"):
+        raise ValueError(f"tensor parallelism runs with --spec none or draft, not {config.spec.method!r} yet")
     rendezvous = f"file://{rendezvous_dir}/rendezvous"
     ctx = mp.get_context("spawn")
     followers = [ctx.Process(target=run_follower, args=(r, world, config, model_dir, rendezvous), daemon=True,
                              name=f"overlap-tp{r}") for r in range(1, world)]
     for p in followers:
         p.start()
-    group = init_group(0, world, rendezvous, config.tp_timeout_s)
+    group, drafts = init_group(0, world, rendezvous, config.tp_timeout_s)
     cfg = ModelConfig.from_hf(read_model_config(model_dir))
     model = load_sharded(model_dir, Shard.of(cfg, 0, world), Collectives(world), torch_dtype(config.dtype),
                          config.device)
-    return LeaderExecutor(build_executor(config, model), PlanBroadcast(group), followers), model
+    executor = build_executor(config.replace(spec=dataclasses.replace(config.spec, method="none")), model)
+    if config.spec.method == "draft":
+        # The draft shares the target's embeddings and lm_head, which no rank holds whole:
+        # the leader loads them once more, in full, for its draft.
+        from overlap.executor import build_proposer
+
+        executor.proposer = LeaderProposer(build_proposer(config, full_embeddings(model_dir, model.dtype)),
+                                           SharedProposals(drafts))
+    return LeaderExecutor(executor, PlanBroadcast(group), followers), model
+
+
+def full_embeddings(model_dir: str, dtype: torch.dtype):
+    """A layerless LlamaModel holding the target's full embedding (and lm_head, if untied)."""
+    from safetensors import safe_open
+
+    from overlap.config import ModelConfig
+    from overlap.models.llama import LlamaModel
+    from overlap.models.loading import read_model_config
+
+    cfg = ModelConfig.from_hf(read_model_config(model_dir))
+    holder = LlamaModel(dataclasses.replace(cfg, num_layers=0), dtype)
+    for f in Path(model_dir).glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as h, torch.no_grad():
+            if "model.embed_tokens.weight" in h.keys():
+                holder.embed_tokens.copy_(h.get_tensor("model.embed_tokens.weight").to(dtype))
+            if not cfg.tie_word_embeddings and "lm_head.weight" in h.keys():
+                holder.lm_head.copy_(h.get_tensor("lm_head.weight").to(dtype))
+    return holder
+
+
+# -- drafts under tensor parallelism -----------------------------------------------------------
+
+class SharedProposals:
+    """The draft model runs on the leader only (a small model gains nothing from sharding);
+    its proposals are broadcast so that every rank verifies the same drafts. Runs on the
+    forward stream's thread, on a group of its own."""
+
+    def __init__(self, group):
+        self.group = group
+        self.bytes_sent = 0
+
+    def share(self, proposal):
+        from overlap.spec.base import Proposal
+
+        meta = torch.tensor([*proposal.tokens.shape, proposal.probs.shape[-1], *proposal.num_drafts], dtype=torch.long)
+        dist.broadcast(torch.tensor([meta.numel()], dtype=torch.long), src=0, group=self.group)
+        dist.broadcast(meta, src=0, group=self.group)
+        dist.broadcast(proposal.tokens.contiguous(), src=0, group=self.group)
+        dist.broadcast(proposal.probs.contiguous(), src=0, group=self.group)
+        self.bytes_sent += meta.numel() * 8 + proposal.tokens.numel() * 8 + proposal.probs.numel() * 4
+        return Proposal(proposal.tokens, proposal.probs, proposal.num_drafts)
+
+    def receive(self):
+        from overlap.spec.base import Proposal
+
+        n = torch.zeros(1, dtype=torch.long)
+        dist.broadcast(n, src=0, group=self.group)
+        meta = torch.zeros(int(n.item()), dtype=torch.long)
+        dist.broadcast(meta, src=0, group=self.group)
+        b, k, vocab = meta[:3].tolist()
+        tokens = torch.zeros(b, k, dtype=torch.long)
+        probs = torch.zeros(b, k, vocab)
+        dist.broadcast(tokens, src=0, group=self.group)
+        dist.broadcast(probs, src=0, group=self.group)
+        return Proposal(tokens, probs, meta[3:].tolist())
+
+
+class LeaderProposer:
+    """Rank 0's drafter: proposes, then shares the proposal with the other ranks."""
+
+    def __init__(self, inner, channel: SharedProposals):
+        self.inner, self.channel = inner, channel
+        self.name, self.on_host, self.reads_hidden = inner.name, inner.on_host, inner.reads_hidden
+
+    def propose(self, seqs, ks, sampling):
+        return self.channel.share(self.inner.propose(seqs, ks, sampling))
+
+    def catch_up(self, updates) -> None:
+        self.inner.catch_up(updates)
+
+    def release(self, seq_ids) -> None:
+        self.inner.release(seq_ids)
+
+
+class FollowerProposer:
+    """Ranks > 0: the leader's drafts, received; nothing to catch up on."""
+
+    name, on_host, reads_hidden = "remote", False, False
+
+    def __init__(self, channel: SharedProposals):
+        self.channel = channel
+
+    def propose(self, seqs, ks, sampling):
+        proposal = self.channel.receive()
+        return type(proposal)(proposal.tokens.to(sampling.seed.device), proposal.probs.to(sampling.seed.device),
+                              proposal.num_drafts)
+
+    def catch_up(self, updates) -> None:
+        pass
+
+    def release(self, seq_ids) -> None:
+        pass

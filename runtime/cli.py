@@ -65,6 +65,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=_positive_int, metavar="N", help="sequences per batch")
     g.add_argument("--max-batched-tokens", type=_positive_int, metavar="N", help="tokens per step")
     g.add_argument("--num-spec-tokens", type=_positive_int, metavar="K", help="draft tokens per step (default: 4)")
+    g.add_argument("--tp", type=_positive_int, metavar="N",
+                   help="tensor parallelism: shard the target over N ranks (gloo on CPU, NCCL on GPU)")
     g.add_argument("--draft-model", metavar="DIR",
                    help="draft directory for --spec draft (default: the shipped draft of the default model)")
     g.add_argument("--head", metavar="DIR",
@@ -185,7 +187,7 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
 
     config = dataclasses.replace(
         config,
-        **given(model=args.model, dtype=args.dtype),
+        **given(model=args.model, dtype=args.dtype, tensor_parallel=args.tp),
         cache=dataclasses.replace(config.cache, **given(page_size=args.page_size, num_pages=args.num_pages)),
         scheduler=dataclasses.replace(config.scheduler, **given(
             max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens)),

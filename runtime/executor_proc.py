@@ -32,8 +32,17 @@ def run_executor_process(spec: ServeSpec) -> None:
         recv_from_scheduler = ipc.pull(ctx, addresses.executor)
         send_to_scheduler = ipc.push(ctx, addresses.scheduler)
         config = spec.config
-        model = load_llama(spec.model_dir, torch_dtype(config.dtype), config.device)
-        executor = build_executor(config, model)
+        if config.tensor_parallel > 1:
+            # This process becomes rank 0 of a group; ranks 1.. are its children.
+            import tempfile
+
+            from overlap.tp_group import start_group
+
+            rendezvous = tempfile.TemporaryDirectory(prefix="overlap-tp-")
+            executor, _ = start_group(config, spec.model_dir, rendezvous.name)
+        else:
+            model = load_llama(spec.model_dir, torch_dtype(config.dtype), config.device)
+            executor = build_executor(config, model)
         report_ready(ctx, addresses.daemon, "executor")
         serve(executor, recv_from_scheduler, send_to_scheduler, log)
     except SystemExit:

@@ -89,3 +89,49 @@ def test_a_dead_rank_fails_the_step_instead_of_hanging(uneven_model):
         assert time.monotonic() - start < 30
     finally:
         eng.executor.executor.close()
+
+
+@pytest.fixture(scope="module")
+def uneven_draft(tmp_path_factory, smol_dir):
+    cfg = tiny_hf_config(vocab=49152, hidden=48, heads=6, kv_heads=3, layers=1, intermediate=96)
+    return save_hf_dir(hf_model(cfg, seed=6), cfg, tmp_path_factory.mktemp("tpd") / "d")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_tp2_draft_target_equals_tp1(uneven_model, uneven_draft, temperature):
+    """The draft on the leader only, its drafts broadcast: same tokens as TP=1, greedy and
+    sampled (counter-based noise: the same draws on every rank and in every layout)."""
+    from overlap.config import SpecConfig
+    from runtime.messages import SamplingParams
+
+    spec = SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(uneven_draft))
+    prompts = [[5, 17, 3, 9, 40, 2], [11, 7, 23]]
+    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=temperature, seed=7)
+    single = tp_engine(uneven_model, 1, spec=spec)
+    want = [r.token_ids for r in single.generate(prompts, params)]
+    single.close()
+    eng = tp_engine(uneven_model, 2, spec=spec)
+    try:
+        results = eng.generate(prompts, params)
+    finally:
+        eng.close()
+    assert [r.token_ids for r in results] == want
+    assert sum(r.stats.get("drafts", 0) for r in results) > 0
+
+
+def test_tp2_through_the_daemon(uneven_model, uneven_draft):
+    from overlap.config import EngineConfig, SpecConfig
+    from runtime.client import Client
+    from runtime.daemon import Daemon
+    from runtime.messages import SamplingParams
+
+    spec = SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(uneven_draft))
+    prompts = [[5, 17, 3, 9, 40, 2], [11, 7, 23], [42] * 7]
+    single = tp_engine(uneven_model, 1)
+    want = [r.token_ids for r in single.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
+    single.close()
+    config = EngineConfig(model=str(uneven_model), dtype="float32", tensor_parallel=2, spec=spec)
+    with Daemon(config, "tcp://127.0.0.1:*", ready_timeout_s=300) as d, Client(d.endpoint, timeout=120) as c:
+        for spec_on in (True, False):
+            got = [c.generate(p, max_tokens=16, ignore_eos=True, spec=spec_on).token_ids for p in prompts]
+            assert got == want
