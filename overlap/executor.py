@@ -129,6 +129,7 @@ class TimingTotals:
     plan_s: float = 0.0
     hidden_s: float = 0.0
     recent: deque = field(default_factory=lambda: deque(maxlen=256))
+    extra: dict = field(default_factory=dict)  # other counters (tensor-parallel traffic)
 
     def add(self, t: StepTiming) -> None:
         self.steps += 1
@@ -140,7 +141,7 @@ class TimingTotals:
 
     def as_dict(self) -> dict:
         return {"timed_steps": self.steps, "device_busy_s": self.busy_s, "device_idle_s": self.idle_s,
-                "plan_s": self.plan_s, "hidden_plan_s": self.hidden_s}
+                "plan_s": self.plan_s, "hidden_plan_s": self.hidden_s, **self.extra}
 
 
 class Executor:
@@ -219,6 +220,11 @@ class Executor:
         plan_s = max(0.0, step.submitted - prev.resolved) if continuing else 0.0
         self.timing.add(StepTiming(prev.plan.step_id, busy, idle_in_step, idle_before, plan_s,
                                    min(plan_s, max(0.0, plan_s - idle_before))))
+
+    def set_proposer(self, proposer: Proposer | None) -> None:
+        """Swap the drafter (tensor-parallel ranks build theirs around the sharded model)."""
+        self.proposer = proposer
+        self._reads_hidden = bool(getattr(proposer, "reads_hidden", False))
 
     def synchronize(self) -> None:
         self.streams.forward.synchronize()

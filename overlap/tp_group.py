@@ -44,10 +44,14 @@ def init_group(rank: int, world: int, rendezvous: str, timeout_s: float = 60.0):
 class PlanBroadcast:
     def __init__(self, group):
         self.group = group
+        self.bytes_sent = 0
+        self.plans_sent = 0
 
     def send(self, plan: BatchPlan | None) -> None:
         data = b"" if plan is None else _encoder.encode(plan)
         size = torch.tensor([STOP if plan is None else len(data)], dtype=torch.long)
+        self.bytes_sent += 8 + len(data)
+        self.plans_sent += plan is not None
         dist.broadcast(size, src=0, group=self.group)
         if plan is not None:
             dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), src=0, group=self.group)
@@ -75,7 +79,13 @@ class LeaderExecutor:
 
     def submit(self, plan: BatchPlan):
         self.broadcast.send(plan)
-        return self.executor.submit(plan)
+        step = self.executor.submit(plan)
+        # What the group costs in messages: plan bytes (and, with a draft model, proposals).
+        proposals = getattr(self.executor.proposer, "channel", None)
+        self.executor.timing.extra.update(
+            tp_ranks=dist.get_world_size(), tp_plans=self.broadcast.plans_sent,
+            tp_plan_bytes=self.broadcast.bytes_sent, tp_proposal_bytes=proposals.bytes_sent if proposals else 0)
+        return step
 
     def execute(self, plan: BatchPlan):
         step = self.submit(plan)
@@ -117,9 +127,9 @@ def run_follower(rank: int, world: int, config, model_dir: str, rendezvous: str)
     cfg = ModelConfig.from_hf(read_model_config(model_dir))
     model = load_sharded(model_dir, Shard.of(cfg, rank, world), Collectives(world), torch_dtype(config.dtype),
                          config.device)
-    proposer = FollowerProposer(SharedProposals(drafts)) if config.spec.method == "draft" else None
     executor = build_executor(config.replace(spec=dataclasses.replace(config.spec, method="none")), model)
-    executor.proposer = proposer
+    executor.set_proposer(FollowerProposer(SharedProposals(drafts)) if config.spec.method == "draft"
+                          else _sharded_mtp(config, model))
     try:
         follow(executor, PlanBroadcast(group))
     finally:
@@ -137,8 +147,8 @@ def start_group(config, model_dir: str, rendezvous_dir: str) -> tuple[LeaderExec
     from overlap.models.tp import Collectives, Shard, load_sharded
 
     world = config.tensor_parallel
-    if config.spec.method not in ("none", "draft"):
-        raise ValueError(f"tensor parallelism runs with --spec none or draft, not {config.spec.method!r} yet")
+    if config.spec.method not in ("none", "draft", "mtp"):
+        raise ValueError(f"tensor parallelism runs with --spec none, draft or mtp, not {config.spec.method!r} yet")
     rendezvous = f"file://{rendezvous_dir}/rendezvous"
     ctx = mp.get_context("spawn")
     followers = [ctx.Process(target=run_follower, args=(r, world, config, model_dir, rendezvous), daemon=True,
@@ -155,9 +165,24 @@ def start_group(config, model_dir: str, rendezvous_dir: str) -> tuple[LeaderExec
         # the leader loads them once more, in full, for its draft.
         from overlap.executor import build_proposer
 
-        executor.proposer = LeaderProposer(build_proposer(config, full_embeddings(model_dir, model.dtype)),
-                                           SharedProposals(drafts))
+        executor.set_proposer(LeaderProposer(build_proposer(config, full_embeddings(model_dir, model.dtype)),
+                                             SharedProposals(drafts)))
+    else:
+        executor.set_proposer(_sharded_mtp(config, model))
     return LeaderExecutor(executor, PlanBroadcast(group), followers), model
+
+
+def _sharded_mtp(config, model):
+    """MTP: the head is sharded with the target on every rank (it reads the target's hidden
+    states, which every rank holds whole after the all-reduce); no proposal travels."""
+    if config.spec.method != "mtp":
+        return None
+    from overlap.attention import make_backend
+    from overlap.models.tp import load_head_sharded
+    from overlap.spec.mtp import MTPProposer
+
+    return MTPProposer(load_head_sharded(config.spec.head, model), make_backend(config.attention_backend, config.device),
+                       config.cache.num_pages, config.cache.page_size)
 
 
 def full_embeddings(model_dir: str, dtype: torch.dtype):

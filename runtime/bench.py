@@ -181,7 +181,14 @@ def device_timing(before: dict, after: dict) -> dict | None:
     d = {k: after[k] - before.get(k, 0) for k in keys}
     steps = d["timed_steps"]
     device = d["device_busy_s"] + d["device_idle_s"]
-    return {
+    tp = {}
+    if after.get("tp_plans"):
+        plans = after["tp_plans"] - before.get("tp_plans", 0)
+        tp = {"tp_ranks": after["tp_ranks"],
+              "tp_bytes_per_step": ((after["tp_plan_bytes"] - before.get("tp_plan_bytes", 0))
+                                    + (after["tp_proposal_bytes"] - before.get("tp_proposal_bytes", 0)))
+              / max(plans, 1)}
+    return {**tp,
         "steps": steps,
         "device_idle_fraction": d["device_idle_s"] / device if device else None,
         "busy_ms_per_step": d["device_busy_s"] * 1e3 / steps if steps else None,

@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "then be none (speculation off per request) and/or the server's own mode")
     bench.add_argument("--compare-inprocess", action="store_true",
                        help="with --server: also run the in-process engine (same config) in this run")
+    bench.add_argument("--compare-tp", type=_positive_int, nargs="+", metavar="N",
+                       help="also run each in-process mode at these tensor-parallel sizes (e.g. 2), side by side")
     bench.add_argument("--no-overlap", action="store_true",
                        help="also run each in-process mode with overlap off (plan only after the "
                             "previous step finished), side by side")
@@ -404,6 +406,9 @@ def _bench_variants(args: argparse.Namespace) -> list:
             variants.append(Variant(mode, config))
             if args.no_overlap:
                 variants.append(Variant(f"{mode} no-overlap", dataclasses.replace(config, overlap=False)))
+            for tp in args.compare_tp or []:
+                if tp != config.tensor_parallel:
+                    variants.append(Variant(f"{mode} tp={tp}", dataclasses.replace(config, tensor_parallel=tp)))
     if args.server:
         # The server's own config decides its engine; ours only names the model for tokenizing.
         variants += [Variant(f"{mode} @server", engine_config(args, None), args.server, mode != "none")

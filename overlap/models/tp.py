@@ -145,3 +145,57 @@ def load_sharded(model_dir, shard: Shard, comm: Collectives, dtype: torch.dtype 
             layer.input_layernorm.weight.copy_(full(a + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(full(a + "post_attention_layernorm.weight"))
     return model.eval()
+
+
+class _VocabParallelLookup:
+    """Stands in for an embedding matrix: `lookup[ids]` is the sharded model's embedding."""
+
+    def __init__(self, model: ShardedLlamaModel):
+        self.model = model
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(ids)
+
+
+def load_head_sharded(head_dir, target: ShardedLlamaModel):
+    """The MTP head sharded like the target's layers (it reads the target's hidden states on
+    every rank): its layer's heads and MLP split by the same ranges, the fuse replicated, the
+    embedding lookup and the logits through the target's vocab-parallel ones."""
+    import json
+
+    from safetensors import safe_open
+
+    from overlap.models.heads import HEAD_TYPE, MTPHead
+
+    head_dir = Path(head_dir)
+    raw = json.loads((head_dir / "config.json").read_text())
+    if raw.get("head_type") != HEAD_TYPE:
+        raise ValueError(f"{head_dir} is not an MTP head")
+    shard, cfg, dtype = target.shard, target.full_cfg, target.dtype
+    head = MTPHead(target.cfg, target, norms=bool(raw.get("norms", True)), dtype=dtype)
+    object.__setattr__(head, "embed_tokens", _VocabParallelLookup(target))
+    head.compute_logits = lambda hidden: target.compute_logits(hidden.to(dtype))
+    head.layer.reduce = target.comm.all_reduce
+    d, nq, nkv, inter = cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    with safe_open(str(head_dir / "model.safetensors"), framework="pt") as f, torch.no_grad():
+        def rows(name: str, start: int, r: range, per: int = 1) -> torch.Tensor:
+            return f.get_slice(name)[start + r.start * per: start + r.stop * per].to(dtype)
+
+        layer = head.layer
+        qkv = "layer.qkv_proj"
+        layer.qkv_proj.copy_(torch.cat([rows(qkv, 0, shard.heads, d), rows(qkv, nq, shard.kv_heads, d),
+                                        rows(qkv, nq + nkv, shard.kv_heads, d)]))
+        if layer.qkv_bias is not None:
+            b = "layer.qkv_bias"
+            layer.qkv_bias.copy_(torch.cat([rows(b, 0, shard.heads, d), rows(b, nq, shard.kv_heads, d),
+                                            rows(b, nq + nkv, shard.kv_heads, d)]))
+        layer.o_proj.copy_(f.get_slice("layer.o_proj")[:, shard.heads.start * d: shard.heads.stop * d].to(dtype))
+        gu = "layer.gate_up_proj"
+        layer.gate_up_proj.copy_(torch.cat([rows(gu, 0, shard.intermediate), rows(gu, inter, shard.intermediate)]))
+        layer.down_proj.copy_(f.get_slice("layer.down_proj")[:, shard.intermediate.start: shard.intermediate.stop]
+                              .to(dtype))
+        for name, param in head.named_parameters():
+            if not name.startswith("layer.") or "layernorm" in name:
+                param.copy_(f.get_tensor(name).to(dtype))
+    head.requires_grad_(False)
+    return head.eval()

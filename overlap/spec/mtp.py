@@ -71,13 +71,12 @@ class MTPProposer:
     def propose(self, seqs: list[SeqWork], ks: list[int], sampling: SamplingTensors) -> Proposal:
         b, width = len(seqs), max(ks)
         device = sampling.seed.device
-        vocab = self.head.cfg.vocab_size
         tokens = torch.zeros(b, width, dtype=torch.long, device=device)
-        probs = torch.zeros(b, width, vocab, device=device)
         # Draft i is for position end_pos + i; the head row that predicts it is end_pos - 1 + i.
         first = torch.tensor([s.end_pos for s in seqs], dtype=torch.long, device=device)
         rows = [r for r in range(b) if ks[r] > 0]
         logits = torch.stack([self.carried[seqs[r].seq_id][0] for r in rows])  # [rows, V] f32
+        probs = torch.zeros(b, width, logits.shape[-1], device=device)  # V: the full vocabulary
         hidden = torch.stack([self.carried[seqs[r].seq_id][1] for r in rows])  # [rows, H]
         for i in range(width):
             # 1. sample draft i of every row that still drafts, from q_i

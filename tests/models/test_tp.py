@@ -135,3 +135,26 @@ def test_tp2_through_the_daemon(uneven_model, uneven_draft):
         for spec_on in (True, False):
             got = [c.generate(p, max_tokens=16, ignore_eos=True, spec=spec_on).token_ids for p in prompts]
             assert got == want
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_tp2_mtp_head_sharded_with_the_target(uneven_model, tmp_path, k):
+    from spec.test_mtp import random_head
+
+    from overlap.config import SpecConfig
+    from runtime.messages import SamplingParams
+
+    head = random_head(uneven_model, tmp_path / "head")
+    spec = SpecConfig(method="mtp", num_spec_tokens=k, head=str(head))
+    prompts = [[5, 17, 3, 9, 40, 2], [11, 7, 23]]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    single = tp_engine(uneven_model, 1)
+    want = [r.token_ids for r in single.generate(prompts, params)]
+    single.close()
+    eng = tp_engine(uneven_model, 2, spec=spec)
+    try:
+        results = eng.generate(prompts, params)
+    finally:
+        eng.close()
+    assert [r.token_ids for r in results] == want
+    assert sum(r.stats.get("drafts", 0) for r in results) > 0
