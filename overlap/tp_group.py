@@ -34,11 +34,19 @@ _decoder = msgspec.msgpack.Decoder(BatchPlan)
 STOP = -1  # broadcast length that tells the followers to leave
 
 
-def init_group(rank: int, world: int, rendezvous: str, timeout_s: float = 60.0):
-    """Initialise torch.distributed (gloo) → (the plan-broadcast group, the drafts group)."""
+def init_group(rank: int, world: int, rendezvous: str, timeout_s: float = 60.0, device: str = "cpu"):
+    """Initialise torch.distributed → (the plan-broadcast group, the drafts group). The model's
+    collectives use NCCL on GPUs and gloo on the CPU; the two host-side groups are gloo."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world, timeout=timeout)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world, timeout=timeout)
     return dist.new_group(backend="gloo", timeout=timeout), dist.new_group(backend="gloo", timeout=timeout)
+
+
+def rank_device(device: str, rank: int) -> str:
+    return f"cuda:{rank}" if device.startswith("cuda") else device
 
 
 class PlanBroadcast:
@@ -123,7 +131,8 @@ def run_follower(rank: int, world: int, config, model_dir: str, rendezvous: str)
     from overlap.models.loading import read_model_config
     from overlap.models.tp import Collectives, Shard, load_sharded
 
-    group, drafts = init_group(rank, world, rendezvous, config.tp_timeout_s)
+    group, drafts = init_group(rank, world, rendezvous, config.tp_timeout_s, config.device)
+    config = config.replace(device=rank_device(config.device, rank))
     cfg = ModelConfig.from_hf(read_model_config(model_dir))
     model = load_sharded(model_dir, Shard.of(cfg, rank, world), Collectives(world), torch_dtype(config.dtype),
                          config.device)
@@ -155,7 +164,8 @@ def start_group(config, model_dir: str, rendezvous_dir: str) -> tuple[LeaderExec
                              name=f"overlap-tp{r}") for r in range(1, world)]
     for p in followers:
         p.start()
-    group, drafts = init_group(0, world, rendezvous, config.tp_timeout_s)
+    group, drafts = init_group(0, world, rendezvous, config.tp_timeout_s, config.device)
+    config = config.replace(device=rank_device(config.device, 0))
     cfg = ModelConfig.from_hf(read_model_config(model_dir))
     model = load_sharded(model_dir, Shard.of(cfg, 0, world), Collectives(world), torch_dtype(config.dtype),
                          config.device)
@@ -221,8 +231,10 @@ class SharedProposals:
         meta = torch.tensor([*proposal.tokens.shape, proposal.probs.shape[-1], *proposal.num_drafts], dtype=torch.long)
         dist.broadcast(torch.tensor([meta.numel()], dtype=torch.long), src=0, group=self.group)
         dist.broadcast(meta, src=0, group=self.group)
-        dist.broadcast(proposal.tokens.contiguous(), src=0, group=self.group)
-        dist.broadcast(proposal.probs.contiguous(), src=0, group=self.group)
+        # Through host memory (the drafts group is gloo): on a GPU this copy is a sync of the
+        # draft step, the price of running the draft on one rank only.
+        dist.broadcast(proposal.tokens.cpu().contiguous(), src=0, group=self.group)
+        dist.broadcast(proposal.probs.cpu().contiguous(), src=0, group=self.group)
         self.bytes_sent += meta.numel() * 8 + proposal.tokens.numel() * 8 + proposal.probs.numel() * 4
         return Proposal(proposal.tokens, proposal.probs, proposal.num_drafts)
 

@@ -13,7 +13,8 @@ Sections (each a function returning table rows; later work adds TP, ...):
            diff outside the scratch page, and step time (ms) replayed vs eager;
   pipeline the shipped SmolLM2 + draft through the in-process Engine on CUDA (streams,
            events, pinned copies, graphs): draft vs none, overlap on vs off (exact), graphs
-           vs eager, with tokens/s, device idle fraction and hidden planning per run.
+           vs eager, with tokens/s, device idle fraction and hidden planning per run;
+  tp       TP=2 over NCCL on two GPUs (skipped with one): greedy tokens against TP=1.
 
 Exits 1 if any check fails, 2 if flashinfer cannot be imported on a CUDA machine, and 0
 with "SKIP: no CUDA device" where there is no GPU, so it runs anywhere.
@@ -411,9 +412,40 @@ def check_pipeline(args) -> list[Row]:
     return rows
 
 
+# -- tensor parallelism -----------------------------------------------------------------------
+
+def check_tp(args) -> list[Row]:
+    """TP=2 over NCCL (two GPUs): the shipped SmolLM2 sharded 2/1 KV heads, greedy tokens
+    against TP=1, without and with the draft model (drafts broadcast from the leader)."""
+    if torch.cuda.device_count() < 2:
+        return [Row("tp", "TP=2 NCCL", None, {"why": f"{torch.cuda.device_count()} GPU(s); needs 2"})]
+    from overlap.config import EngineConfig, SpecConfig, default_draft_dir
+    from runtime.engine import Engine
+    from runtime.messages import SamplingParams
+
+    params = SamplingParams(max_tokens=PIPELINE_TOKENS, ignore_eos=True)
+    rows = []
+    for spec in (SpecConfig(), SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(default_draft_dir()))):
+        outs = []
+        for tp in (1, 2):
+            engine = Engine(EngineConfig(device=DEVICE, spec=spec, tensor_parallel=tp), progress=False)
+            t0 = time.perf_counter()
+            outs.append([r.token_ids for r in engine.generate(PIPELINE_PROMPTS, params)])
+            wall = time.perf_counter() - t0
+            stats = engine.stats()
+            engine.close()
+        same = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)) for a, b in zip(*outs))
+        agree = same / sum(map(len, outs[0]))
+        rows.append(Row("tp", f"TP=2 == TP=1 ({spec.method})", agree >= PIPELINE_AGREE,
+                        {"agree": f"{agree:.3f}", "tok/s tp2": f"{sum(map(len, outs[1])) / wall:.0f}",
+                         "plan bytes": str(stats.get("tp_plan_bytes", 0))}))
+    return rows
+
+
 # -- driver -----------------------------------------------------------------------------------
 
-SECTIONS = {"kernels": check_kernels, "model": check_model, "graphs": check_graphs, "pipeline": check_pipeline}
+SECTIONS = {"kernels": check_kernels, "model": check_model, "graphs": check_graphs, "pipeline": check_pipeline,
+            "tp": check_tp}
 
 
 def print_table(rows: list[Row]) -> None:

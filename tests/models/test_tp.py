@@ -88,7 +88,8 @@ def test_a_dead_rank_fails_the_step_instead_of_hanging(uneven_model):
                 eng.step()
         assert time.monotonic() - start < 30
     finally:
-        eng.executor.executor.close()
+        with pytest.raises(Exception):  # telling the dead rank to stop fails too; the group goes down
+            eng.executor.close()
 
 
 @pytest.fixture(scope="module")
