@@ -159,3 +159,20 @@ def test_tp2_mtp_head_sharded_with_the_target(uneven_model, tmp_path, k):
         eng.close()
     assert [r.token_ids for r in results] == want
     assert sum(r.stats.get("drafts", 0) for r in results) > 0
+
+
+def test_tp2_real_model_greedy_equals_tp1(smol_dir):
+    """The shipped SmolLM2 (9 heads, 3 KV heads: shards of 2 and 1) on two prompts, fp32."""
+    from runtime.messages import SamplingParams
+
+    prompts = ["def fibonacci(n):", "The capital of France is"]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    single = tp_engine(smol_dir, 1)
+    want = [r.token_ids for r in single.generate(prompts, params)]
+    single.close()
+    eng = tp_engine(smol_dir, 2)
+    try:
+        got = [r.token_ids for r in eng.generate(prompts, params)]
+    finally:
+        eng.close()
+    assert got == want
