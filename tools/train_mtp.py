@@ -74,7 +74,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-eval-tokens", type=int, default=12_000)
     ap.add_argument("--chat-answers", type=int, default=160, help="self-distilled chat replies (0: none)")
     ap.add_argument("--chat-tokens", type=int, default=192, help="tokens per self-distilled reply")
-    ap.add_argument("--code-answers", type=int, default=128,
+    ap.add_argument("--code-answers", type=int, default=32,
                     help="self-distilled continuations of stdlib function headers (0: none)")
     ap.add_argument("--self-weight", type=int, default=3, help="oversampling of self-distilled parts")
     ap.add_argument("--precompute-batch", type=int, default=8, help="windows per target forward")
@@ -142,12 +142,13 @@ def load_parts(args, model_dir, target: LlamaModel, work: Path) -> dict:
             path = work / f"hidden_{name}_{split}.pt"
             data = torch.load(path) if path.exists() else None
             if data is None or data["settings"] != settings:
+                started = time.time()
                 windows = ([w[: args.seq_len + 1] for w in given[split]] if given
                            else corpus_windows(name, split, args, load_tokenizer(model_dir), target))
                 hidden = target_hidden(target, windows, args.precompute_batch, f"target hidden ({name}/{split})")
                 lengths = torch.tensor([0] + [len(w) for w in windows])
                 data = {"settings": settings, "ids": torch.tensor([t for w in windows for t in w], dtype=torch.int32),
-                        "offsets": lengths.cumsum(0), "hidden": hidden}
+                        "offsets": lengths.cumsum(0), "hidden": hidden, "seconds": time.time() - started}
                 tmp = path.with_suffix(".tmp")
                 torch.save(data, tmp)
                 tmp.replace(path)
@@ -465,7 +466,9 @@ def main(argv=None) -> int:
     sizes = {"train_windows": len(train_data.spans), "train_tokens": len(train_data.ids),
              "train_tokens_oversampled": sum(train_data.spans[i][1] for i in train_data.picks),
              "eval_windows": len(eval_data.spans), "eval_tokens": len(eval_data.ids),
-             "by_part": {n: {s: len(parts[n, s]["ids"]) for s in ("train", "eval")} for n in names}}
+             "by_part": {n: {s: len(parts[n, s]["ids"]) for s in ("train", "eval")} for n in names},
+             # Building the parts (self-distillation + target forwards), when they were built.
+             "precompute_s": round(sum(p.get("seconds", 0.0) for p in parts.values()), 1)}
     print(f"data: {json.dumps(sizes)}")
     if args.precompute_only:
         return 0
