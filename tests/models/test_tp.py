@@ -120,13 +120,17 @@ def test_tp2_draft_target_equals_tp1(uneven_model, uneven_draft, temperature):
     assert sum(r.stats.get("drafts", 0) for r in results) > 0
 
 
-def test_tp2_through_the_daemon(uneven_model, uneven_draft):
+@pytest.mark.parametrize("method", ["draft", "mtp"])
+def test_tp2_through_the_daemon(uneven_model, uneven_draft, tmp_path, method):
+    from spec.test_mtp import random_head
+
     from overlap.config import EngineConfig, SpecConfig
     from runtime.client import Client
     from runtime.daemon import Daemon
     from runtime.messages import SamplingParams
 
-    spec = SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(uneven_draft))
+    spec = SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(uneven_draft)) if method == "draft" else \
+        SpecConfig(method="mtp", num_spec_tokens=1, head=str(random_head(uneven_model, tmp_path / "head")))
     prompts = [[5, 17, 3, 9, 40, 2], [11, 7, 23], [42] * 7]
     single = tp_engine(uneven_model, 1)
     want = [r.token_ids for r in single.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
