@@ -529,19 +529,16 @@ def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | 
         draft = load_draft(spec.draft_model, model)
         return DraftTargetProposer(draft, make_backend(config.attention_backend, config.device),
                                    config.cache.num_pages, config.cache.page_size, scratch_page)
-    if spec.method == "mtp":
+    if spec.method in ("mtp", "eagle"):
         if not spec.head:
-            raise ValueError("spec method 'mtp' needs spec.head (an MTP head directory)")
-        head = load_head(spec.head, model)
-        return MTPProposer(head, make_backend(config.attention_backend, config.device),
-                           config.cache.num_pages, config.cache.page_size, scratch_page)
-    if spec.method == "eagle":
-        if not spec.head:
-            raise ValueError("spec method 'eagle' needs spec.head (an MTP head directory)")
+            raise ValueError(f"spec method {spec.method!r} needs spec.head (an MTP head directory)")
         head, backend = load_head(spec.head, model), make_backend(config.attention_backend, config.device)
+        pages = (config.cache.num_pages, config.cache.page_size)
+        if spec.method == "mtp":
+            return MTPProposer(head, backend, *pages, scratch_page)
         if spec.tree == "dynamic":
-            return DynamicEagleProposer(head, backend, config.cache.num_pages, config.cache.page_size,
-                                        spec.tree_depth, spec.tree_topk, spec.tree_tokens, scratch_page)
+            return DynamicEagleProposer(head, backend, *pages, spec.tree_depth, spec.tree_topk, spec.tree_tokens,
+                                        scratch_page)
         shape = TreeShape.default(spec.tree_depth, spec.tree_topk, spec.tree_tokens)
-        return EagleProposer(head, backend, config.cache.num_pages, config.cache.page_size, shape, scratch_page)
+        return EagleProposer(head, backend, *pages, shape, scratch_page)
     raise ValueError(f"unknown spec method {spec.method!r} (none | draft | ngram | mtp | eagle)")

@@ -27,15 +27,15 @@ import time
 import uuid
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from runtime import ipc
-from runtime.messages import (Abort, ChatMessage, Delta, Error, Generate, Health, HealthReply,
-                              SamplingParams, Stats, StatsReply, pack_ids)
+from runtime.messages import (Abort, ChatMessage, Delta, Error, Generate, Health, HealthReply, SamplingParams,
+                              Stats, StatsReply, pack_ids)
+from runtime.results import Result
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -69,15 +69,6 @@ def _raise(error: Error):
     kind = {"bad_request": RequestRejected, "overloaded": ServerOverloaded,
             "unavailable": ServerUnavailable}.get(error.code, ServerError)
     raise kind(error)
-
-
-@dataclass(frozen=True)
-class Result:
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    stats: dict
 
 
 def build_generate(request_id: str | None, prompt: str | list[int] | None, messages: list[dict] | None,

@@ -19,9 +19,10 @@ from overlap.config import EngineConfig, torch_dtype
 from overlap.executor import build_executor
 from overlap.models.llama import LlamaModel, load_llama
 from overlap.models.loading import load_tokenizer, resolve_model_dir
-from runtime.frontend import RequestLimits, eos_token_ids, RequestState, encode_prompt, validate_request
+from runtime.frontend import RequestLimits, RequestState, encode_prompt, eos_token_ids, validate_request
 from runtime.messages import RequestError, SamplingParams
 from runtime.pages import PageAllocator
+from runtime.results import Result
 from runtime.scheduler import Scheduler, SeqUpdate
 
 
@@ -33,15 +34,6 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-
-
-@dataclass(frozen=True)
-class Result:
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    stats: dict
 
 
 @dataclass
