@@ -73,6 +73,14 @@ class SamplingTensors:
             any_top_p=any(s.top_p < 1.0 for s in rows),
         )
 
+    def select(self, rows: list[int]) -> "SamplingTensors":
+        """The parameters of these rows only (the host flags are kept: they stay valid)."""
+        if len(rows) == self.seed.shape[0]:
+            return self
+        idx = torch.tensor(rows, device=self.seed.device)
+        return SamplingTensors(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.seed[idx],
+                               self.all_greedy, self.any_greedy, self.any_top_k, self.any_top_p)
+
 
 def probabilities(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """logits [B, V] f32 → the distribution actually sampled from [B, V] f32.
@@ -122,3 +130,11 @@ def sample(logits: torch.Tensor, st: SamplingTensors, position: torch.Tensor) ->
         return logits.argmax(dim=-1)
     drawn = race(probabilities(logits, st), st.seed, position, NOISE_SAMPLE)
     return torch.where(st.temperature == 0, logits.argmax(dim=-1), drawn)
+
+
+def draw_draft(logits: torch.Tensor, st: SamplingTensors, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A drafter's token for each row: logits [B, V] f32, position [B] i64 (where the draft
+    will sit) → (tokens [B] i64, q [B, V] f32, the distribution they were drawn from)."""
+    q = probabilities(logits, st)
+    tokens = q.argmax(-1) if st.all_greedy else race(q, st.seed, position, NOISE_DRAFT)
+    return tokens, q

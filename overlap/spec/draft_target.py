@@ -20,7 +20,7 @@ from overlap.attention.base import AttentionBackend, SeqAttention
 from overlap.batch import SeqWork
 from overlap.graphs import GraphRunner
 from overlap.models.llama import LlamaModel, linear
-from overlap.sampling import NOISE_DRAFT, SamplingTensors, probabilities, race
+from overlap.sampling import SamplingTensors, draw_draft
 from overlap.spec.base import CatchUp, Proposal
 
 
@@ -91,9 +91,7 @@ class DraftTargetProposer:
         logits = torch.stack([self.carried[seqs[r].seq_id] for r in rows])  # [rows, V] f32
         for i in range(width):
             # 1. sample draft i of every row that still drafts, from q_i.
-            st = _select(sampling, rows)
-            q = probabilities(logits, st)
-            d = q.argmax(-1) if st.all_greedy else race(q, st.seed, first[rows] + i, NOISE_DRAFT)
+            d, q = draw_draft(logits, sampling.select(rows), first[rows] + i)
             tokens[rows, i] = d
             probs[rows, i] = q
             # 2. run the draft on it to get q_{i+1}, for rows that need another draft.
@@ -123,14 +121,6 @@ class DraftTargetProposer:
     def release(self, seq_ids: list[int]) -> None:
         for i in seq_ids:
             self.carried.pop(i, None)
-
-
-def _select(st: SamplingTensors, rows: list[int]) -> SamplingTensors:
-    if len(rows) == st.seed.shape[0]:
-        return st
-    idx = torch.tensor(rows, device=st.seed.device)
-    return SamplingTensors(st.temperature[idx], st.top_k[idx], st.top_p[idx], st.seed[idx],
-                           st.all_greedy, st.any_greedy, st.any_top_k, st.any_top_p)
 
 
 def load_draft(draft_dir, target: LlamaModel) -> DraftModel:

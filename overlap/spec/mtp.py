@@ -33,9 +33,8 @@ import torch
 from overlap.attention.base import AttentionBackend, SeqAttention
 from overlap.batch import SeqWork
 from overlap.models.heads import MTPHead
-from overlap.sampling import NOISE_DRAFT, SamplingTensors, probabilities, race
+from overlap.sampling import SamplingTensors, draw_draft
 from overlap.spec.base import CatchUp, Proposal
-from overlap.spec.draft_target import _select
 
 
 class MTPProposer:
@@ -80,9 +79,7 @@ class MTPProposer:
         hidden = torch.stack([self.carried[seqs[r].seq_id][1] for r in rows])  # [rows, H]
         for i in range(width):
             # 1. sample draft i of every row that still drafts, from q_i
-            st = _select(sampling, rows)
-            q = probabilities(logits, st)
-            d = q.argmax(-1) if st.all_greedy else race(q, st.seed, first[rows] + i, NOISE_DRAFT)
+            d, q = draw_draft(logits, sampling.select(rows), first[rows] + i)
             tokens[rows, i] = d
             probs[rows, i] = q
             # 2. the head on (draft i, its own hidden) for q_{i+1}, where another draft is wanted
