@@ -156,7 +156,6 @@ class Executor:
         # verify steps run through a GraphRunner per q_len: padded to a bucket, a CUDA graph.
         self.scratch_page = scratch_page
         self.graphs: dict[int, GraphRunner] = {}
-        self._reads_hidden = bool(getattr(proposer, "reads_hidden", False))
         self.device = model.embed_tokens.device
         self.streams = Device(self.device)
         cfg = model.cfg
@@ -221,10 +220,10 @@ class Executor:
         self.timing.add(StepTiming(prev.plan.step_id, busy, idle_in_step, idle_before, plan_s,
                                    min(plan_s, max(0.0, plan_s - idle_before))))
 
-    def set_proposer(self, proposer: Proposer | None) -> None:
-        """Swap the drafter (tensor-parallel ranks build theirs around the sharded model)."""
-        self.proposer = proposer
-        self._reads_hidden = bool(getattr(proposer, "reads_hidden", False))
+    @property
+    def _reads_hidden(self) -> bool:
+        """The drafter needs the target's hidden states (kept from the launch for its catch-up)."""
+        return bool(getattr(self.proposer, "reads_hidden", False))
 
     def synchronize(self) -> None:
         self.streams.forward.synchronize()

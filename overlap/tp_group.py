@@ -137,8 +137,8 @@ def run_follower(rank: int, world: int, config, model_dir: str, rendezvous: str)
     model = load_sharded(model_dir, Shard.of(cfg, rank, world), Collectives(world), torch_dtype(config.dtype),
                          config.device)
     executor = build_executor(config.replace(spec=dataclasses.replace(config.spec, method="none")), model)
-    executor.set_proposer(FollowerProposer(SharedProposals(drafts)) if config.spec.method == "draft"
-                          else _sharded_mtp(config, model))
+    executor.proposer = (FollowerProposer(SharedProposals(drafts)) if config.spec.method == "draft"
+                         else _sharded_mtp(config, model))
     try:
         follow(executor, PlanBroadcast(group))
     finally:
@@ -175,10 +175,10 @@ def start_group(config, model_dir: str, rendezvous_dir: str) -> tuple[LeaderExec
         # the leader loads them once more, in full, for its draft.
         from overlap.executor import build_proposer
 
-        executor.set_proposer(LeaderProposer(build_proposer(config, full_embeddings(model_dir, model.dtype)),
-                                             SharedProposals(drafts)))
+        executor.proposer = LeaderProposer(build_proposer(config, full_embeddings(model_dir, model.dtype)),
+                                           SharedProposals(drafts))
     else:
-        executor.set_proposer(_sharded_mtp(config, model))
+        executor.proposer = _sharded_mtp(config, model)
     return LeaderExecutor(executor, PlanBroadcast(group), followers), model
 
 
