@@ -236,7 +236,9 @@ class Device:
             with torch.cuda.stream(self.copy.stream):
                 for src in tensors:
                     host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-                    src.record_stream(self.copy.stream)  # see to_host
+                    # record_stream: the forward stream may not reuse src's memory before the
+                    # copy stream has read it (the caching allocator tracks streams, not copies).
+                    src.record_stream(self.copy.stream)
                     host.copy_(src, non_blocking=True)
                     copy.values.append(host)
         self.copy.record(copy.event)
@@ -245,27 +247,6 @@ class Device:
         """The work that was to start `copy` raised: its waiter gets the error, not a hang."""
         if isinstance(copy.event, CpuEvent):
             copy.event._set(error)
-
-    def to_host(self, get: Callable[[], tuple[torch.Tensor, ...]]) -> "HostCopy":
-        """Copy the tensors `get()` returns (results of work already submitted to the forward
-        stream) to host memory on the copy stream. Read them after the copy's event fired."""
-        copy = HostCopy()
-        self.copy.wait(self.forward.record())
-        if not self.is_cuda:
-            # CPU tensors are host memory already, but they exist only once the worker has
-            # run the forward work: the copy stream's closure picks them up in order.
-            self.copy.submit(lambda: copy.values.extend(get()))
-        else:
-            with torch.cuda.stream(self.copy.stream):
-                for src in get():
-                    host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-                    # record_stream: the forward stream may not reuse src's memory before the
-                    # copy stream has read it (the caching allocator tracks streams, not copies).
-                    src.record_stream(self.copy.stream)
-                    host.copy_(src, non_blocking=True)
-                    copy.values.append(host)
-        copy.event = self.copy.record()
-        return copy
 
     def close(self) -> None:
         self.forward.close()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from overlap.config import CacheConfig, EngineConfig, SpecConfig
-from overlap.device import CpuStream, Device, DeviceError
+from overlap.device import CpuStream, Device, DeviceError, HostCopy
 from overlap.futures import EventFuture
 from runtime.engine import Engine
 from runtime.messages import SamplingParams
@@ -65,17 +65,21 @@ def test_event_timeout():
     gate.set()
 
 
+def copy_of(device: Device, make) -> HostCopy:
+    """Queue `make()` on the forward stream and the copy of its result to the host."""
+    copy = HostCopy(device.new_event())
+    device.forward.submit(lambda: device.start_copy(copy, (make(),)))
+    return copy
+
+
 def test_event_future_blocking_and_awaited():
     device = Device("cpu")
-    box = {}
-    device.forward.submit(lambda: box.setdefault("t", torch.arange(4) * 2))
-    copy = device.to_host(lambda: (box["t"],))
+    copy = copy_of(device, lambda: torch.arange(4) * 2)
     future = EventFuture(copy.event, lambda: copy.values[0].tolist())
     assert future.result(timeout=5) == [0, 2, 4, 6] and future.done()
 
     async def main():
-        device.forward.submit(lambda: box.__setitem__("t", torch.ones(2)))
-        c = device.to_host(lambda: (box["t"],))
+        c = copy_of(device, lambda: torch.ones(2))
         return await EventFuture(c.event, lambda: c.values[0].sum().item())
 
     assert asyncio.run(main()) == 2.0
@@ -134,9 +138,7 @@ def test_next_step_is_planned_while_the_catch_up_runs(tiny_dirs, overlap):
 @pytest.mark.gpu
 def test_cuda_stream_event_and_host_copy():
     device = Device("cuda")
-    box = {}
-    device.forward.submit(lambda: box.setdefault("t", torch.arange(1 << 20, device="cuda").sum()))
-    copy = device.to_host(lambda: (box["t"],))
+    copy = copy_of(device, lambda: torch.arange(1 << 20, device="cuda").sum())
     assert copy.values[0].is_pinned()
     assert copy.get(timeout=10)[0].item() == (1 << 20) * ((1 << 20) - 1) // 2
     start = device.forward.record()
@@ -161,8 +163,6 @@ def test_a_failing_step_raises_instead_of_hanging(tiny_dirs):
 def test_copy_started_inside_stream_work_fires_before_the_work_ends():
     """What the no-sync MTP schedule relies on: ids copied mid-work reach the host while the
     stream still runs the rest of that work."""
-    from overlap.device import HostCopy
-
     device, gate, box = Device("cpu"), threading.Event(), {}
     copy = HostCopy(device.new_event())
 

@@ -169,7 +169,7 @@ class DynamicEagleProposer(EagleProposer):
             device = hidden0.device
             out_logits, out_h = self._run(torch.tensor(ids, device=device), torch.stack(hid), positions, attn, last)
             logp, tok = torch.topk(torch.log_softmax(out_logits, -1), k)
-            logp, tok = logp.tolist(), tok.tolist()
+            logp, tok = logp.tolist(), tok.tolist()  # this level's documented sync (see the class doc)
             # 2. children of this level's frontier; the next frontier = the best k of them
             row = 0
             for i in range(b):
