@@ -75,3 +75,43 @@ def dense_forward(model: LlamaModel, ids: list[int], page_size: int = 16) -> tup
     meta = backend.plan([SeqAttention(len(ids), len(ids), table)], page_size)
     t = torch.tensor(ids)
     return model(t, torch.arange(len(ids)), backend, kv, meta, torch.arange(len(ids)))
+
+
+def random_head(target_dir, out, seed=0, norms=True):
+    """An MTP head with random weights for this target, saved to `out` (greedy tests only
+    need a head that drafts something; the statistical ones need it to be anything)."""
+    from overlap.models.heads import MTPHead, save_head
+    from overlap.models.llama import load_llama
+    from overlap.models.loading import read_model_config
+
+    target = load_llama(target_dir, torch.float32)
+    head = MTPHead(ModelConfig.from_hf(read_model_config(target_dir)), target, norms=norms)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.08)
+    return save_head(head, out)
+
+
+def flashinfer_on_fakes(monkeypatch, decode_cls, prefill_cls, name: str):
+    """overlap/attention/flashinfer.py loaded under `name` against stand-in wrapper classes
+    (the real module and sys.modules["flashinfer"] are restored after the test), with
+    unpinned host tensors: its planning code runs on a CPU-only torch."""
+    import importlib.util
+    import sys
+
+    import numpy as np
+
+    fake = type(sys)("flashinfer")
+    fake.BatchDecodeWithPagedKVCacheWrapper = decode_cls
+    fake.BatchPrefillWithPagedKVCacheWrapper = prefill_cls
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    path = Path(__file__).parents[1] / "overlap" / "attention" / "flashinfer.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # @dataclass looks its module up there
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "_pinned", lambda values, dtype: torch.from_numpy(
+        np.asarray(values, dtype=module._NP_DTYPES[dtype])))
+    return module

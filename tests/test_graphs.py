@@ -10,15 +10,12 @@ constructor, as the captured kernels do. Graph capture itself is checked by the 
 below and by tools/gpu_check.py (section `graphs`).
 """
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
+from helpers import flashinfer_on_fakes
 from overlap.attention import ReferenceBackend, SeqAttention
 from overlap.attention.testing import dense_attention, step_mask
 from overlap.config import ModelConfig
@@ -251,18 +248,7 @@ class _FakePrefill(_FakeWrapper):
 def fake_flashinfer(monkeypatch):
     """overlap.attention.flashinfer loaded under another name against the stand-ins (the
     real module and sys.modules stay untouched), with unpinned host tensors."""
-    fake = type(sys)("flashinfer")
-    fake.BatchDecodeWithPagedKVCacheWrapper = _FakeDecode
-    fake.BatchPrefillWithPagedKVCacheWrapper = _FakePrefill
-    monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    path = Path(__file__).parents[1] / "overlap" / "attention" / "flashinfer.py"
-    spec = importlib.util.spec_from_file_location("_flashinfer_graphs_on_fakes", path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # @dataclass looks its module up there
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(module, "_pinned", lambda values, dtype: torch.from_numpy(
-        np.asarray(values, dtype=module._NP_DTYPES[dtype])))
-    return module
+    return flashinfer_on_fakes(monkeypatch, _FakeDecode, _FakePrefill, "_flashinfer_graphs_on_fakes")
 
 
 @pytest.mark.parametrize("q_len", [1, 5])

@@ -7,15 +7,13 @@ wrappers that read indptr/indices/last_page_len and the packed mask the way its 
 so host-side bugs (page counts, last-page lengths, mask bits and offsets, slots) fail in CI.
 """
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from helpers import flashinfer_on_fakes
 from overlap.attention import ReferenceBackend, SeqAttention
 from overlap.attention.testing import (KINDS, dense_attention, max_abs_error, random_paged_batch,
                                        random_specs, step_mask)
@@ -117,18 +115,7 @@ class _FakePrefill(_FakeWrapper):
 def fake_backend_module(monkeypatch):
     """overlap.attention.flashinfer loaded under another name against the fakes (the real
     module and sys.modules stay untouched), with unpinned host tensors (CPU-only torch)."""
-    fake = type(sys)("flashinfer")
-    fake.BatchDecodeWithPagedKVCacheWrapper = _FakeDecode
-    fake.BatchPrefillWithPagedKVCacheWrapper = _FakePrefill
-    monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    path = Path(__file__).parents[2] / "overlap" / "attention" / "flashinfer.py"
-    spec = importlib.util.spec_from_file_location("_flashinfer_backend_on_fakes", path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # @dataclass looks its module up there
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(module, "_pinned", lambda values, dtype: torch.from_numpy(
-        np.asarray(values, dtype=module._NP_DTYPES[dtype])))
-    return module
+    return flashinfer_on_fakes(monkeypatch, _FakeDecode, _FakePrefill, "_flashinfer_backend_on_fakes")
 
 
 @pytest.mark.parametrize("kind", KINDS)

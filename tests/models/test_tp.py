@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from helpers import hf_model, save_hf_dir, tiny_hf_config
+from helpers import hf_model, random_head, save_hf_dir, tiny_hf_config
 from overlap.models.llama import load_llama
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -47,6 +47,19 @@ def tp_engine(model_dir, world, **kw):
     return Engine(EngineConfig(model=str(model_dir), dtype="float32", tensor_parallel=world, **kw), progress=False)
 
 
+def generate(model_dir, world, prompts, params, **kw):
+    """Results of one engine (tensor_parallel=world) over the prompts, closing it after."""
+    eng = tp_engine(model_dir, world, **kw)
+    try:
+        return eng.generate(prompts, params)
+    finally:
+        eng.close()
+
+
+def token_ids(results) -> list[list[int]]:
+    return [r.token_ids for r in results]
+
+
 @pytest.fixture(scope="module")
 def uneven_model(tmp_path_factory, smol_dir):
     cfg = tiny_hf_config(vocab=49152, hidden=48, heads=6, kv_heads=3, layers=2, intermediate=96)
@@ -58,15 +71,8 @@ def test_tp2_engine_greedy_equals_tp1(uneven_model):
 
     prompts = [[5, 17, 3, 9, 40, 2], [11, 7, 23], list(range(100, 130))]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    single = tp_engine(uneven_model, 1)
-    want = [r.token_ids for r in single.generate(prompts, params)]
-    single.close()
-    eng = tp_engine(uneven_model, 2)
-    try:
-        got = [r.token_ids for r in eng.generate(prompts, params)]
-    finally:
-        eng.close()
-    assert got == want
+    want = token_ids(generate(uneven_model, 1, prompts, params))
+    assert token_ids(generate(uneven_model, 2, prompts, params)) == want
 
 
 def test_a_dead_rank_fails_the_step_instead_of_hanging(uneven_model):
@@ -108,22 +114,14 @@ def test_tp2_draft_target_equals_tp1(uneven_model, uneven_draft, temperature):
     spec = SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(uneven_draft))
     prompts = [[5, 17, 3, 9, 40, 2], [11, 7, 23]]
     params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=temperature, seed=7)
-    single = tp_engine(uneven_model, 1, spec=spec)
-    want = [r.token_ids for r in single.generate(prompts, params)]
-    single.close()
-    eng = tp_engine(uneven_model, 2, spec=spec)
-    try:
-        results = eng.generate(prompts, params)
-    finally:
-        eng.close()
-    assert [r.token_ids for r in results] == want
+    want = token_ids(generate(uneven_model, 1, prompts, params, spec=spec))
+    results = generate(uneven_model, 2, prompts, params, spec=spec)
+    assert token_ids(results) == want
     assert sum(r.stats.get("drafts", 0) for r in results) > 0
 
 
 @pytest.mark.parametrize("method", ["draft", "mtp"])
 def test_tp2_through_the_daemon(uneven_model, uneven_draft, tmp_path, method):
-    from spec.test_mtp import random_head
-
     from overlap.config import EngineConfig, SpecConfig
     from runtime.client import Client
     from runtime.daemon import Daemon
@@ -132,9 +130,7 @@ def test_tp2_through_the_daemon(uneven_model, uneven_draft, tmp_path, method):
     spec = SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(uneven_draft)) if method == "draft" else \
         SpecConfig(method="mtp", num_spec_tokens=1, head=str(random_head(uneven_model, tmp_path / "head")))
     prompts = [[5, 17, 3, 9, 40, 2], [11, 7, 23], [42] * 7]
-    single = tp_engine(uneven_model, 1)
-    want = [r.token_ids for r in single.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
-    single.close()
+    want = token_ids(generate(uneven_model, 1, prompts, SamplingParams(max_tokens=16, ignore_eos=True)))
     config = EngineConfig(model=str(uneven_model), dtype="float32", tensor_parallel=2, spec=spec)
     with Daemon(config, "tcp://127.0.0.1:*", ready_timeout_s=300) as d, Client(d.endpoint, timeout=120) as c:
         for spec_on in (True, False):
@@ -144,8 +140,6 @@ def test_tp2_through_the_daemon(uneven_model, uneven_draft, tmp_path, method):
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_tp2_mtp_head_sharded_with_the_target(uneven_model, tmp_path, k):
-    from spec.test_mtp import random_head
-
     from overlap.config import SpecConfig
     from runtime.messages import SamplingParams
 
@@ -153,15 +147,9 @@ def test_tp2_mtp_head_sharded_with_the_target(uneven_model, tmp_path, k):
     spec = SpecConfig(method="mtp", num_spec_tokens=k, head=str(head))
     prompts = [[5, 17, 3, 9, 40, 2], [11, 7, 23]]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    single = tp_engine(uneven_model, 1)
-    want = [r.token_ids for r in single.generate(prompts, params)]
-    single.close()
-    eng = tp_engine(uneven_model, 2, spec=spec)
-    try:
-        results = eng.generate(prompts, params)
-    finally:
-        eng.close()
-    assert [r.token_ids for r in results] == want
+    want = token_ids(generate(uneven_model, 1, prompts, params))
+    results = generate(uneven_model, 2, prompts, params, spec=spec)
+    assert token_ids(results) == want
     assert sum(r.stats.get("drafts", 0) for r in results) > 0
 
 
@@ -171,12 +159,5 @@ def test_tp2_real_model_greedy_equals_tp1(smol_dir):
 
     prompts = ["def fibonacci(n):", "The capital of France is"]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    single = tp_engine(smol_dir, 1)
-    want = [r.token_ids for r in single.generate(prompts, params)]
-    single.close()
-    eng = tp_engine(smol_dir, 2)
-    try:
-        got = [r.token_ids for r in eng.generate(prompts, params)]
-    finally:
-        eng.close()
-    assert got == want
+    want = token_ids(generate(smol_dir, 1, prompts, params))
+    assert token_ids(generate(smol_dir, 2, prompts, params)) == want

@@ -5,14 +5,14 @@ from-scratch run over the accepted sequence."""
 import pytest
 import torch
 
+from helpers import random_head
+
 from overlap.attention import ReferenceBackend, SeqAttention
 from overlap.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from overlap.kv import slot_mapping
 from runtime.engine import Engine
 from runtime.messages import SamplingParams
-from spec.markov import chi_square_gof, total_variation, tv_tolerance
-from spec.test_mtp import heads, random_head, reference  # noqa: F401  (fixtures)
-from spec.test_spec_engine import ALPHA, N_SAMPLES, exact_three_token_law, prompts, sample_three_tokens
+from spec.test_spec_engine import assert_keeps_the_three_token_law, prompts
 
 
 def engine(tiny_dirs, heads, target="target", depth=3, topk=2, tokens=6, page_size=16, num_pages=512,
@@ -28,22 +28,22 @@ def engine(tiny_dirs, heads, target="target", depth=3, topk=2, tokens=6, page_si
 
 @pytest.mark.parametrize("batch", [1, 4, 16])
 @pytest.mark.parametrize("depth,topk,tokens,tree", [(3, 2, 6, "static"), (2, 3, 6, "static"), (3, 2, 6, "dynamic")])
-def test_greedy_eagle_equals_plain(tiny_dirs, heads, reference, batch, depth, topk, tokens, tree):
+def test_greedy_eagle_equals_plain(tiny_dirs, heads, greedy_reference, batch, depth, topk, tokens, tree):
     ps = prompts(batch, seed=60 + batch)
     eng = engine(tiny_dirs, heads, depth=depth, topk=topk, tokens=tokens, tree=tree)
     results = eng.generate(ps, SamplingParams(max_tokens=24, ignore_eos=True))
-    assert [r.token_ids for r in results] == reference(ps, 24)
+    assert [r.token_ids for r in results] == greedy_reference(ps, 24)
     assert sum(r.stats.get("drafts", 0) for r in results) > 0
     assert eng.stats()["free_pages"] == eng.stats()["total_pages"]
 
 
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
-def test_greedy_eagle_with_preemption(tiny_dirs, echo_heads, reference, tree):
+def test_greedy_eagle_with_preemption(tiny_dirs, echo_heads, greedy_reference, tree):
     ps = prompts(8, seed=71)
     eng = engine(tiny_dirs, echo_heads, page_size=4, num_pages=48, max_batched_tokens=48, tree=tree)
     results = eng.generate(ps, SamplingParams(max_tokens=30, ignore_eos=True))
     assert eng.scheduler.num_preemptions > 0
-    assert [r.token_ids for r in results] == reference(ps, 30)
+    assert [r.token_ids for r in results] == greedy_reference(ps, 30)
 
 
 def echo_head(target_dir, out):
@@ -79,11 +79,11 @@ def small_vocab_prompts(n):
 
 @pytest.mark.parametrize("batch", [1, 4, 16])
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
-def test_greedy_eagle_with_long_accepted_paths_equals_plain(tiny_dirs, echo_heads, reference, batch, tree):
+def test_greedy_eagle_with_long_accepted_paths_equals_plain(tiny_dirs, echo_heads, greedy_reference, batch, tree):
     ps = prompts(batch, seed=80 + batch)
     eng = engine(tiny_dirs, echo_heads, depth=4, topk=2, tokens=8, tree=tree)
     results = eng.generate(ps, SamplingParams(max_tokens=32, ignore_eos=True))
-    assert [r.token_ids for r in results] == reference(ps, 32)
+    assert [r.token_ids for r in results] == greedy_reference(ps, 32)
     stats = [r.stats for r in results]
     assert sum(s.get("accepted_tokens", 0) for s in stats) > 5 * batch  # paths of several nodes
     assert max(max(s.get("accepted_per_position", [0])[1:] or [0]) for s in stats) > 0  # depth >= 2
@@ -125,10 +125,4 @@ def test_target_and_head_kv_after_tree_steps_equal_a_from_scratch_run(tiny_dirs,
 def test_eagle_sampling_keeps_the_target_distribution(tiny_dirs, heads, tree, params):
     eng = engine(tiny_dirs, heads, target="target_v6", depth=2, topk=2, tokens=5, max_num_seqs=500,
                  max_batched_tokens=4096, num_pages=2048, tree=tree)
-    counts = sample_three_tokens(eng, params)
-    law = exact_three_token_law(eng.model, params)
-    stat, df, p_value = chi_square_gof(counts, law)
-    assert p_value > ALPHA, f"chi-square {stat:.1f} on {df} df, p = {p_value:.2e}"
-    for axis in range(3):
-        dims = tuple(d for d in range(3) if d != axis)
-        assert total_variation(counts.sum(dims), law.sum(dims)) < tv_tolerance(N_SAMPLES, law.shape[0], ALPHA)
+    assert_keeps_the_three_token_law(eng, params)

@@ -10,33 +10,11 @@ import pytest
 import torch
 
 from overlap.attention import ReferenceBackend, SeqAttention
-from overlap.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from overlap.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from overlap.kv import slot_mapping
-from overlap.models.heads import MTPHead, save_head
-from overlap.models.llama import load_llama
-from overlap.models.loading import read_model_config
 from runtime.engine import Engine
 from runtime.messages import SamplingParams
-from spec.markov import chi_square_gof, total_variation, tv_tolerance
-from spec.test_spec_engine import ALPHA, N_SAMPLES, exact_three_token_law, prompts, sample_three_tokens
-
-
-def random_head(target_dir, out, seed=0, norms=True):
-    target = load_llama(target_dir, torch.float32)
-    head = MTPHead(ModelConfig.from_hf(read_model_config(target_dir)), target, norms=norms)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.08)
-    return save_head(head, out)
-
-
-@pytest.fixture(scope="module")
-def heads(tiny_dirs, tmp_path_factory):
-    root = tmp_path_factory.mktemp("heads")
-    return {"target": random_head(tiny_dirs["target"], root / "h"),
-            "target_v6": random_head(tiny_dirs["target_v6"], root / "h6", seed=1)}
+from spec.test_spec_engine import assert_keeps_the_three_token_law, prompts
 
 
 def engine(tiny_dirs, heads, method="mtp", k=1, target="target", page_size=16, num_pages=512, **sched):
@@ -48,44 +26,31 @@ def engine(tiny_dirs, heads, method="mtp", k=1, target="target", page_size=16, n
                   progress=False)
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_dirs, heads):
-    base = engine(tiny_dirs, heads, method="none")
-    cache = {}
-
-    def run(ps, n):
-        key = (tuple(map(tuple, ps)), n)
-        if key not in cache:
-            cache[key] = [r.token_ids for r in base.generate(ps, SamplingParams(max_tokens=n, ignore_eos=True))]
-        return cache[key]
-    return run
-
-
 @pytest.mark.parametrize("k", [1, 3])
 @pytest.mark.parametrize("batch", [1, 4, 16])
-def test_greedy_mtp_equals_plain(tiny_dirs, heads, reference, k, batch):
+def test_greedy_mtp_equals_plain(tiny_dirs, heads, greedy_reference, k, batch):
     ps = prompts(batch, seed=20 + batch)
     eng = engine(tiny_dirs, heads, k=k)
     results = eng.generate(ps, SamplingParams(max_tokens=24, ignore_eos=True))
-    assert [r.token_ids for r in results] == reference(ps, 24)
+    assert [r.token_ids for r in results] == greedy_reference(ps, 24)
     assert sum(r.stats.get("draft_tokens", 0) for r in results) > 0
     assert eng.stats()["free_pages"] == eng.stats()["total_pages"]
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_greedy_mtp_with_preemption_and_chunked_prefill(tiny_dirs, heads, reference, k):
+def test_greedy_mtp_with_preemption_and_chunked_prefill(tiny_dirs, heads, greedy_reference, k):
     ps = [p * 3 for p in prompts(8, seed=31)]  # longer prompts: several prefill chunks each
     eng = engine(tiny_dirs, heads, k=k, page_size=4, num_pages=48, max_batched_tokens=32)
     results = eng.generate(ps, SamplingParams(max_tokens=30, ignore_eos=True))
     assert eng.scheduler.num_preemptions > 0
-    assert [r.token_ids for r in results] == reference(ps, 30)
+    assert [r.token_ids for r in results] == greedy_reference(ps, 30)
 
 
-def test_greedy_mtp_with_graph_padding(tiny_dirs, heads, reference):
+def test_greedy_mtp_with_graph_padding(tiny_dirs, heads, greedy_reference):
     ps = prompts(5, seed=41)
     spec = SpecConfig(method="mtp", num_spec_tokens=1, head=str(heads["target"]))
     eng = Engine(EngineConfig(model=str(tiny_dirs["target"]), spec=spec, graphs="on"), progress=False)
-    assert [r.token_ids for r in eng.generate(ps, SamplingParams(max_tokens=20, ignore_eos=True))] == reference(ps, 20)
+    assert [r.token_ids for r in eng.generate(ps, SamplingParams(max_tokens=20, ignore_eos=True))] == greedy_reference(ps, 20)
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -127,13 +92,7 @@ def test_head_kv_equals_running_the_head_from_scratch(tiny_dirs, heads, k):
 def test_mtp_sampling_keeps_the_target_distribution(tiny_dirs, heads, k, params):
     eng = engine(tiny_dirs, heads, k=k, target="target_v6", max_num_seqs=500, max_batched_tokens=4096,
                  num_pages=2048)
-    counts = sample_three_tokens(eng, params)
-    law = exact_three_token_law(eng.model, params)
-    stat, df, p_value = chi_square_gof(counts, law)
-    assert p_value > ALPHA, f"chi-square {stat:.1f} on {df} df, p = {p_value:.2e}"
-    for axis in range(3):
-        dims = tuple(d for d in range(3) if d != axis)
-        assert total_variation(counts.sum(dims), law.sum(dims)) < tv_tolerance(N_SAMPLES, law.shape[0], ALPHA)
+    assert_keeps_the_three_token_law(eng, params)
 
 
 def test_k1_reruns_the_head_behind_verification_without_a_host_sync(tiny_dirs, heads):
@@ -216,7 +175,7 @@ def test_k1_schedule_has_no_cuda_sync_between_verify_and_rerun(tiny_dirs, heads)
     eng.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=12, ignore_eos=True))
 
 
-def test_greedy_mtp_through_the_daemon(tiny_dirs, heads, reference):
+def test_greedy_mtp_through_the_daemon(tiny_dirs, heads, greedy_reference):
     from runtime.client import Client
     from runtime.daemon import Daemon
 
@@ -232,4 +191,4 @@ def test_greedy_mtp_through_the_daemon(tiny_dirs, heads, reference):
                     got.setdefault(delta.request_id, []).extend(delta.token_ids)
                     if delta.finish_reason:
                         done.add(delta.request_id)
-            assert [got[i] for i in ids] == reference(ps, 20)
+            assert [got[i] for i in ids] == greedy_reference(ps, 20)

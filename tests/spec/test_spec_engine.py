@@ -41,19 +41,6 @@ def prompts(n, seed):
     return out
 
 
-@pytest.fixture(scope="module")
-def greedy_reference(tiny_dirs):
-    base = engine(tiny_dirs)
-    cache = {}
-
-    def run(ps, max_tokens):
-        key = (tuple(map(tuple, ps)), max_tokens)
-        if key not in cache:
-            cache[key] = [r.token_ids for r in base.generate(ps, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
-        return cache[key]
-    return run
-
-
 @pytest.mark.parametrize("method,draft", [("draft", "draft"), ("draft", "target"), ("ngram", None)])
 @pytest.mark.parametrize("batch", [1, 4, 16])
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -151,6 +138,19 @@ def sample_three_tokens(eng: Engine, params: SamplingParams) -> torch.Tensor:
     return counts
 
 
+def assert_keeps_the_three_token_law(eng: Engine, params: SamplingParams) -> None:
+    """Chi-square of the first three generated tokens against the exact law, and a total-
+    variation bound on each position's marginal."""
+    counts = sample_three_tokens(eng, params)
+    law = exact_three_token_law(eng.model, params)
+    stat, df, p_value = chi_square_gof(counts, law)
+    assert p_value > ALPHA, f"chi-square {stat:.1f} on {df} df, p = {p_value:.2e}"
+    for axis in range(3):  # per-position marginals, a distribution-free bound
+        dims = tuple(d for d in range(3) if d != axis)
+        tv = total_variation(counts.sum(dims), law.sum(dims))
+        assert tv < tv_tolerance(N_SAMPLES, law.shape[0], ALPHA)
+
+
 @pytest.mark.parametrize("method,draft,params", [
     ("draft", "draft_v6", SamplingParams(temperature=1.0)),  # a full q different from p
     ("draft", "target_v6", SamplingParams(temperature=1.0)),  # q = p
@@ -161,11 +161,4 @@ def sample_three_tokens(eng: Engine, params: SamplingParams) -> torch.Tensor:
 def test_speculative_sampling_keeps_the_target_distribution(tiny_dirs, method, draft, params):
     eng = engine(tiny_dirs, method, draft=draft, target="target_v6", k=2, max_num_seqs=500,
                  max_batched_tokens=4096, num_pages=2048)
-    counts = sample_three_tokens(eng, params)
-    law = exact_three_token_law(eng.model, params)
-    stat, df, p_value = chi_square_gof(counts, law)
-    assert p_value > ALPHA, f"chi-square {stat:.1f} on {df} df, p = {p_value:.2e}"
-    for axis in range(3):  # per-position marginals, a distribution-free bound
-        dims = tuple(d for d in range(3) if d != axis)
-        tv = total_variation(counts.sum(dims), law.sum(dims))
-        assert tv < tv_tolerance(N_SAMPLES, law.shape[0], ALPHA)
+    assert_keeps_the_three_token_law(eng, params)
