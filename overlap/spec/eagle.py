@@ -69,11 +69,11 @@ class EagleProposer(MTPProposer):
         ranks = self.tree.ranks()
         for level in range(1, self.depth + 1):
             # 1. this level's nodes get their tokens from their parents' top-ranked tokens
+            level_nodes = [n for n in range(1, self.num_nodes + 1) if self.node_depths[n - 1] == level]
             top = {p: torch.topk(node_logits[p], min(max(ranks) + 1, node_logits[p].shape[-1])).indices
-                   for p in node_logits}
-            for node in range(1, self.num_nodes + 1):
-                if self.node_depths[node - 1] == level:
-                    tokens[:, node] = top[self.node_parents[node - 1]][:, ranks[node - 1]]
+                   for p in {self.node_parents[n - 1] for n in level_nodes}}
+            for node in level_nodes:
+                tokens[:, node] = top[self.node_parents[node - 1]][:, ranks[node - 1]]
             if level == self.depth:
                 break
             # 2. the head over every internal node so far (ancestors visible), for the next level
