@@ -259,7 +259,3 @@ class HostCopy:
     def __init__(self, event: Event | None = None) -> None:
         self.values: list[torch.Tensor] = []
         self.event: Event | None = event
-
-    def get(self, timeout: float | None = None) -> list[torch.Tensor]:
-        self.event.synchronize(timeout)
-        return self.values

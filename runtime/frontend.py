@@ -21,14 +21,13 @@ class RequestLimits:
     num_pages: int
     page_size: int
     default_num_spec_tokens: int  # 0 when the server does not speculate
+    tree: bool = False  # EAGLE: a request's k is the tree size (its own num_spec_tokens only turns it off at 0)
 
     @classmethod
     def of(cls, config: EngineConfig, model: ModelConfig) -> "RequestLimits":
         spec = {"none": 0, "eagle": config.spec.tree_tokens}.get(config.spec.method, config.spec.num_spec_tokens)
         return cls(model.vocab_size, min(config.scheduler.max_model_len, model.max_position),
-                   config.cache.num_pages, config.cache.page_size, spec, config.spec.method == "eagle")
-
-    tree: bool = False  # EAGLE: a request's k is the tree size (its own num_spec_tokens only turns it off at 0)
+                   config.cache.num_pages, config.cache.page_size, spec, tree=config.spec.method == "eagle")
 
     def num_spec_tokens(self, params: SamplingParams) -> int:
         if not self.default_num_spec_tokens or not params.spec:

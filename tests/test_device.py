@@ -140,7 +140,8 @@ def test_cuda_stream_event_and_host_copy():
     device = Device("cuda")
     copy = copy_of(device, lambda: torch.arange(1 << 20, device="cuda").sum())
     assert copy.values[0].is_pinned()
-    assert copy.get(timeout=10)[0].item() == (1 << 20) * ((1 << 20) - 1) // 2
+    copy.event.synchronize(timeout=10)
+    assert copy.values[0].item() == (1 << 20) * ((1 << 20) - 1) // 2
     start = device.forward.record()
     device.forward.submit(lambda: torch.randn(2048, 2048, device="cuda") @ torch.randn(2048, 2048, device="cuda"))
     end = device.forward.record()
@@ -172,7 +173,8 @@ def test_copy_started_inside_stream_work_fires_before_the_work_ends():
         gate.wait(5)  # the rest of the step (the head's re-run) is still running
 
     device.forward.submit(work)
-    assert copy.get(timeout=5)[0].tolist() == [1, 2, 3]
+    copy.event.synchronize(timeout=5)
+    assert copy.values[0].tolist() == [1, 2, 3]
     assert not gate.is_set()
     gate.set()
     device.forward.synchronize()

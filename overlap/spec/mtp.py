@@ -156,9 +156,3 @@ class MTPProposer:
         for i in seq_ids:
             self.carried.pop(i, None)
             self.pending.pop(i, None)
-
-
-def load_mtp(head_dir, target) -> MTPHead:
-    from overlap.models.heads import load_head
-
-    return load_head(head_dir, target)
