@@ -121,6 +121,30 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
 
+def check_device(device: str, attention_backend: str = "auto") -> None:
+    """Fail with one clear sentence, before any model loads, when the device or the attention
+    backend asked for cannot run here (else torch fails mid-load, or FlashInfer at the first step)."""
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
+    if attention_backend not in ("auto", "reference", "flashinfer"):
+        raise ValueError(f"attention backend must be auto, reference or flashinfer, got {attention_backend!r}")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ValueError(f"device {device}: no CUDA device is available (torch {torch.__version__}, {build}); "
+                             "install a CUDA build of torch, or use --device cpu")
+        if index and int(index) >= torch.cuda.device_count():
+            raise ValueError(f"device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
+    if attention_backend == "flashinfer":
+        if kind != "cuda":
+            raise ValueError("the flashinfer attention backend needs a CUDA device (--device cuda)")
+        import importlib.util
+
+        if importlib.util.find_spec("flashinfer") is None:
+            raise ValueError("the flashinfer attention backend needs FlashInfer: pip install -e \".[gpu]\"")
+
+
 _SECTIONS = {"cache": CacheConfig, "scheduler": SchedulerConfig, "spec": SpecConfig}
 
 
@@ -151,13 +175,19 @@ def default_head_dir() -> Path:
 
 
 def load_config(path: str | Path) -> EngineConfig:
+    """An EngineConfig from a TOML file. Relative paths in it (`model`, `spec.draft_model`,
+    `spec.head`) are relative to the file itself, as in a Makefile or pyproject.toml, so a
+    config means the same files whatever directory the command runs from."""
     path = Path(path)
     with path.open("rb") as f:
         raw = tomllib.load(f)
-    # Relative model paths in a config are relative to the repo root it lives in (configs/..),
-    # so a config means the same files whatever directory the command runs from.
-    root = path.resolve().parent.parent
-    for section, key in ((raw, "model"), (raw.get("spec", {}), "draft_model"), (raw.get("spec", {}), "head")):
-        if section.get(key) and not Path(section[key]).is_absolute():
-            section[key] = str((root / section[key]).resolve())
+    spec = raw.get("spec", {})
+    if spec.get("method") == "eagle" and "num_spec_tokens" in spec:
+        # A tree step verifies tree_tokens nodes; a chain length would be silently ignored.
+        raise ValueError(f"{path}: [spec] num_spec_tokens does not apply to method \"eagle\"; "
+                         "shape the tree with tree_depth, tree_topk and tree_tokens")
+    base = path.resolve().parent
+    for section, key in ((raw, "model"), (spec, "draft_model"), (spec, "head")):
+        if section.get(key):  # an absolute (or ~) path stays what it is
+            section[key] = str((base / Path(section[key]).expanduser()).resolve())
     return config_from_dict(raw)

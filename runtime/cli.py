@@ -27,7 +27,7 @@ from pathlib import Path
 
 import msgspec
 
-from overlap.config import EngineConfig, default_draft_dir, default_head_dir, load_config
+from overlap.config import EngineConfig, check_device, default_draft_dir, default_head_dir, load_config
 from overlap.models.loading import ModelNotFoundError, default_gguf_path
 from runtime.messages import RequestError, SamplingParams
 
@@ -60,11 +60,18 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", metavar="PATH", help="GGUF file or HF model directory (default: the shipped model)")
     g.add_argument("--config", metavar="FILE", help="engine config TOML (configs/NAME.toml); flags override it")
     g.add_argument("--dtype", choices=("bfloat16", "float32"), help="weight/activation dtype (default: bfloat16)")
+    g.add_argument("--device", metavar="cpu|cuda[:N]",
+                   help="where the models run (default: the config's, cpu); cuda needs a CUDA build of torch")
+    g.add_argument("--attention-backend", choices=("auto", "reference", "flashinfer"),
+                   help="attention kernels: reference (pure torch, any device) or flashinfer (CUDA, the `gpu` "
+                        "extra); default auto: flashinfer on cuda, reference on cpu")
     g.add_argument("--page-size", type=_positive_int, metavar="N", help="tokens per KV page")
     g.add_argument("--num-pages", type=_positive_int, metavar="N", help="KV pages in the cache")
     g.add_argument("--max-num-seqs", type=_positive_int, metavar="N", help="sequences per batch")
     g.add_argument("--max-batched-tokens", type=_positive_int, metavar="N", help="tokens per step")
-    g.add_argument("--num-spec-tokens", type=_positive_int, metavar="K", help="draft tokens per step (default: 4)")
+    g.add_argument("--num-spec-tokens", type=_positive_int, metavar="K",
+                   help="draft tokens per step for draft/ngram/mtp (default: 4); an error with eagle, whose "
+                        "tree is shaped by --tree-depth/--tree-topk/--tree-tokens")
     g.add_argument("--tp", type=_positive_int, metavar="N",
                    help="tensor parallelism: shard the target over N ranks (gloo on CPU, NCCL on GPU)")
     g.add_argument("--draft-model", metavar="DIR",
@@ -189,7 +196,8 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
 
     config = dataclasses.replace(
         config,
-        **given(model=args.model, dtype=args.dtype, tensor_parallel=args.tp),
+        **given(model=args.model, dtype=args.dtype, tensor_parallel=args.tp, device=args.device,
+                attention_backend=args.attention_backend),
         cache=dataclasses.replace(config.cache, **given(page_size=args.page_size, num_pages=args.num_pages)),
         scheduler=dataclasses.replace(config.scheduler, **given(
             max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens)),
@@ -198,6 +206,11 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
             head=args.head, tree_depth=args.tree_depth, tree_topk=args.tree_topk, tree_tokens=args.tree_tokens,
             tree=args.tree)),
     )
+    if config.spec.method == "eagle" and args.num_spec_tokens is not None:
+        raise ValueError("--num-spec-tokens does not apply to --spec eagle: a tree step verifies --tree-tokens "
+                         "nodes (shape the tree with --tree-depth, --tree-topk, --tree-tokens); in bench, give "
+                         "a chain mode its own K instead (mtp:3)")
+    check_device(config.device, config.attention_backend)  # before any model loads
     if config.spec.method == "draft":
         config = dataclasses.replace(config, spec=dataclasses.replace(
             config.spec, draft_model=_draft_dir(config.model, config.spec.draft_model)))

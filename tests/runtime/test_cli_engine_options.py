@@ -1,0 +1,55 @@
+"""The engine options every engine-building command shares (generate, bench, serve):
+--device / --attention-backend reach the EngineConfig, and --num-spec-tokens is an error
+with --spec eagle instead of being ignored. No model loads here."""
+
+import pytest
+import torch
+
+from runtime import cli
+
+COMMANDS = [["generate", "x"], ["bench", "--prompts", "p.jsonl"], ["serve"]]
+
+
+def config_of(*argv: str, method: str | None = None):
+    args = cli.build_parser().parse_args(list(argv))
+    return cli.engine_config(args, method if method is not None else getattr(args, "spec", None))
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_device_and_backend_reach_the_config(command):
+    config = config_of(*command, "--device", "cpu", "--attention-backend", "reference")
+    assert (config.device, config.attention_backend) == ("cpu", "reference")
+    assert (config_of(*command).device, config_of(*command).attention_backend) == ("cpu", "auto")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--attention-backend", "flashinfer"], "needs a CUDA device"),
+    (["--device", "tpu"], "cpu, cuda or cuda:N"),
+])
+def test_bad_device_is_one_line_before_loading(argv, needle, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "make_engine", lambda config: pytest.fail("an engine was built"))
+    assert cli.main(["generate", "x", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("overlap: error: ") and needle in err and "\n" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without CUDA")
+def test_cuda_on_a_cpu_machine_fails_clearly(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "make_engine", lambda config: pytest.fail("an engine was built"))
+    assert cli.main(["generate", "x", "--device", "cuda"]) == 2
+    assert "no CUDA device is available" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_num_spec_tokens_with_eagle_is_an_error(command):
+    with pytest.raises(ValueError, match="--num-spec-tokens does not apply to --spec eagle"):
+        config_of(*command, "--num-spec-tokens", "3", method="eagle")
+    assert config_of(*command, "--tree-depth", "2", method="eagle").spec.tree_depth == 2
+    assert config_of(*command, "--num-spec-tokens", "3", method="mtp").spec.num_spec_tokens == 3
+
+
+def test_bench_eagle_with_num_spec_tokens_names_the_fix(capsys, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    assert cli.main(["bench", "--prompts", str(prompts), "--spec", "none", "eagle", "--num-spec-tokens", "3"]) == 2
+    assert "(mtp:3)" in capsys.readouterr().err

@@ -1,0 +1,49 @@
+"""overlap/config.py: TOML loading (paths relative to the file), device checks."""
+
+import pytest
+import torch
+
+from overlap.config import check_device, load_config
+
+
+def test_relative_paths_are_relative_to_the_config_file(tmp_path, monkeypatch):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    path = tmp_path / "a" / "b" / "x.toml"
+    path.write_text('model = "models/m"\n[spec]\nmethod = "draft"\ndraft_model = "../drafts/d"\n')
+    monkeypatch.chdir(tmp_path)  # not the cwd, not the file's grandparent
+    config = load_config(path.relative_to(tmp_path))
+    assert config.model == str((tmp_path / "a" / "b" / "models" / "m").resolve())
+    assert config.spec.draft_model == str((tmp_path / "a" / "drafts" / "d").resolve())
+
+
+def test_absolute_and_home_paths_are_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = tmp_path / "x.toml"
+    path.write_text(f'model = "{tmp_path / "abs"}"\n[spec]\nmethod = "mtp"\nhead = "~/heads/h"\n')
+    config = load_config(path)
+    assert config.model == str(tmp_path / "abs")
+    assert config.spec.head == str((tmp_path / "home" / "heads" / "h").resolve())
+
+
+def test_eagle_config_with_a_chain_length_is_an_error(tmp_path):
+    path = tmp_path / "e.toml"
+    path.write_text('[spec]\nmethod = "eagle"\nnum_spec_tokens = 3\n')
+    with pytest.raises(ValueError, match="num_spec_tokens does not apply to method \"eagle\""):
+        load_config(path)
+    path.write_text('[spec]\nmethod = "eagle"\ntree_depth = 2\n')
+    assert load_config(path).spec.tree_depth == 2
+
+
+def test_device_and_backend_checks():
+    check_device("cpu")
+    check_device("cpu", "reference")
+    for device, backend, needle in [("gpu", "auto", "cpu, cuda or cuda:N"), ("cpu:0", "auto", "cpu, cuda or cuda:N"),
+                                    ("cpu", "flashinfer", "needs a CUDA device"), ("cpu", "fast", "auto, reference")]:
+        with pytest.raises(ValueError, match=needle):
+            check_device(device, backend)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_without_a_device_says_so():
+    with pytest.raises(ValueError, match="no CUDA device is available.*--device cpu"):
+        check_device("cuda")
