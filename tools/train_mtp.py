@@ -103,6 +103,10 @@ def parse_args(argv=None):
     ap.add_argument("--engine-validate", type=int, default=0,
                     help="after export, run this many held-out chat prompts through the engine "
                          "(needs overlap.spec.mtp)")
+    ap.add_argument("--device", default="cpu", metavar="cpu|cuda[:N]",
+                    help="where the --engine-validate engine runs (training itself runs on the CPU)")
+    ap.add_argument("--attention-backend", default="auto", choices=("auto", "reference", "flashinfer"),
+                    help="attention kernels of the --engine-validate engine (auto: flashinfer on cuda)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     return ap.parse_args(argv)
@@ -422,7 +426,8 @@ def _metrics(stats: dict, k: int) -> dict:
 
 
 def validate_with_engine(head_dir, prompts: list[str], k: int = 3, model: str | None = None,
-                         max_tokens: int = 128, chat: bool = True) -> dict:
+                         max_tokens: int = 128, chat: bool = True, device: str = "cpu",
+                         attention_backend: str = "auto") -> dict:
     """Greedy generation through the real engine with the MTP proposer: acceptance length and
     per-position acceptance from the requests' stats (runtime.bench.acceptance)."""
     try:
@@ -435,7 +440,8 @@ def validate_with_engine(head_dir, prompts: list[str], k: int = 3, model: str | 
     from runtime.messages import SamplingParams
 
     spec = SpecConfig(method="mtp", num_spec_tokens=k, head=str(head_dir))
-    engine = Engine(EngineConfig(model=model, spec=spec), progress=False)
+    engine = Engine(EngineConfig(model=model, spec=spec, device=device, attention_backend=attention_backend),
+                    progress=False)
     try:
         results = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0), chat=chat)
     finally:
@@ -447,6 +453,10 @@ def validate_with_engine(head_dir, prompts: list[str], k: int = 3, model: str | 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.engine_validate:
+        from overlap.config import check_device
+
+        check_device(args.device, args.attention_backend)  # now, not after the training
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -515,7 +525,8 @@ def main(argv=None) -> int:
     if args.engine_validate:
         held_out = [x for i, x in enumerate(chat_instructions()) if i % 10 == 0][: args.engine_validate]
         try:
-            report["engine"] = validate_with_engine(out, held_out, args.eval_k, args.model)
+            report["engine"] = validate_with_engine(out, held_out, args.eval_k, args.model,
+                                                    device=args.device, attention_backend=args.attention_backend)
         except NotImplementedError as exc:
             report["engine"] = f"skipped: {exc}"
     (out / "train_report.json").write_text(json.dumps(report, indent=2))

@@ -126,3 +126,10 @@ def test_engine_validation_hook_needs_the_mtp_proposer(setup, monkeypatch):
     monkeypatch.setitem(sys.modules, "overlap.spec.mtp", None)  # as if the module did not exist
     with pytest.raises(NotImplementedError, match="overlap.spec.mtp"):
         train_mtp.validate_with_engine(setup[0] / "trained", ["hi"])
+
+
+def test_engine_validation_device_is_checked_before_training(setup):
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        train_mtp.main(["--out", str(setup[0] / "never"), "--engine-validate", "2",
+                        "--attention-backend", "flashinfer"])
+    assert not (setup[0] / "never").exists()
