@@ -1,9 +1,10 @@
 """Offline training corpora for drafters and heads.
 
 Code: the Python standard library's own sources (present on every machine with Python;
-site-packages, and so pip, excluded; the benchmark prompts come from pip's sources, so
+site-packages, and so pip, excluded: the team's dev prompts come from pip's sources, so
 they are never trained on). Files are split into train / held-out by a hash of their
-relative path, so the split is stable across machines and runs.
+relative path, so the split is stable across machines and runs. The shipped benchmark
+prompts (benchmarks/prompts/, tools/make_prompts.py) are cut from held-out files only.
 """
 
 from __future__ import annotations
