@@ -3,9 +3,16 @@
 # busy process makes torch's worker threads wait for a core and every op ~100x slower.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PROMPTS=${PROMPTS:-../shared/prompts/dev.jsonl}
 OUT=${OUT:-runs/bench}
 mkdir -p "$OUT"
+# The team's dev set (10 code + 10 chat prompts) when it is next to the repository; else the
+# same mix from the shipped sets (benchmarks/prompts/): the first 10 of each.
+PROMPTS=${PROMPTS:-../shared/prompts/dev.jsonl}
+if [ ! -f "$PROMPTS" ]; then
+  PROMPTS="$OUT/prompts.jsonl"
+  { head -n 10 benchmarks/prompts/code.jsonl; head -n 10 benchmarks/prompts/chat.jsonl; } > "$PROMPTS"
+  echo "using $PROMPTS (10 code + 10 chat prompts from benchmarks/prompts/)" >&2
+fi
 case "${1:-all}" in
   foundation|all)
     overlap bench --prompts "$PROMPTS" --max-tokens 128 --concurrency 1 8 --compare-hf --dtype float32 \
