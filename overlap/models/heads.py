@@ -8,7 +8,7 @@ final norm (so lm_head(H_j) are the target's logits for x_{j+1}).
     head row j:  input token x_{j+1}, input hidden H_j, position j, KV slot of position j
                  → logits for x_{j+2}, head hidden g_j
 
-The token stream is shifted one left relative to the hidden states (DESIGN.md §3). The head's
+The token stream is shifted one left relative to the hidden states (docs/architecture.md §5). The head's
 KV pool is indexed by the target's page table: its KV for row j lives in the slot of
 position j. A chain of k > 1 drafts feeds g_j back in place of the missing target hidden:
 row j+1 pairs the first draft with g_j, and so on. The KV-fill run after verification goes

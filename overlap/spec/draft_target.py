@@ -1,7 +1,7 @@
 """Draft-target speculation: a small LLM that shares the target's tokenizer proposes a chain.
 
 The draft has its own KV pool, indexed by the SAME page tables as the target's (the
-scheduler allocates once per sequence for both). Stages (DESIGN.md §3):
+scheduler allocates once per sequence for both). Stages (docs/architecture.md §3):
   prefill / plain steps: after the target, the draft catches up on the step's tokens, the
       sampled one included, and its last logits are carried to the next step;
   propose: the first draft comes from the carried logits; the draft then runs k-1 times;
@@ -135,7 +135,8 @@ def load_draft(draft_dir, target: LlamaModel) -> DraftModel:
                          f"{cfg.vocab_size}/{cfg.hidden_size} vs {target.cfg.vocab_size}/{target.cfg.hidden_size}")
     sd = load_state_dict(draft_dir, target.dtype)
     vocab_ids = sd.pop("vocab_ids", None)
-    model = LlamaModel(cfg, target.dtype, target.embed_tokens.device, shared_embeddings=target)
+    model = LlamaModel(cfg, target.dtype, target.embed_tokens.device, shared_embeddings=target,
+                       matmul=target.matmul)
     model.load_hf_state_dict(sd)
     ids = vocab_ids.long().to(target.embed_tokens.device) if vocab_ids is not None else None
     return DraftModel(model.eval(), cfg.vocab_size, ids)
