@@ -16,35 +16,35 @@ from torch import nn
 
 from overlap.attention.base import AttentionBackend
 from overlap.config import ModelConfig
+from overlap.kernels import linear_bf16
 from overlap.kv import KVPool
 from overlap.models.rope import RotaryTable, rotate
 
-# Rows per matmul call on the CPU in bf16. oneDNN's bf16 (AMX) kernels give every row the
-# same result for any M <= 32, so cutting larger batches into 32-row pieces makes a token's
-# activations independent of what else is in the batch: verify passes and decode steps
-# agree bit for bit (tests/models/test_batch_invariance.py). Row counts are also padded to a
-# few bucket sizes because oneDNN builds a kernel per new shape (~6 ms each), which would
-# otherwise happen on nearly every step of a continuously batched server.
-ROW_BLOCK = 32
-
-
-def _bucket(rows: int) -> int:
-    if rows > ROW_BLOCK:
-        return -(-rows // ROW_BLOCK) * ROW_BLOCK
-    return 1 << (rows - 1).bit_length()
+MATMULS = ("exact", "fast")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Batch-invariant F.linear: x [T, in] → [T, out]."""
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        return F.linear(x, weight, bias)  # float32: MKL, no per-shape kernels to build
-    rows = x.shape[0]
-    padded = _bucket(max(rows, 1))
-    if padded != rows:
-        x = F.pad(x, (0, 0, 0, padded - rows))
-    if padded <= ROW_BLOCK:
-        return F.linear(x, weight, bias)[:rows]
-    return torch.cat([F.linear(part, weight, bias) for part in x.split(ROW_BLOCK)])[:rows]
+    """Batch-invariant F.linear: x [T, in] → [T, out]; row t depends on x[t] only.
+
+    bf16 on the CPU runs overlap's own kernel (overlap/kernels): oneDNN changes its reduction
+    order with the row count in ways that differ per ISA (AMX, AVX512_CORE_BF16, ...), so a
+    verify pass and a decode step would round a token's logits differently. float32 (the
+    dtype compared with transformers) and CUDA keep F.linear."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        return linear_bf16(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear as oneDNN chooses (matmul = "fast"): NOT batch-invariant in bf16 on the CPU;
+    greedy speculation may then part from plain decoding at near-ties."""
+    return F.linear(x, weight, bias)
+
+
+def matmul_fn(name: str):
+    if name not in MATMULS:
+        raise ValueError(f"matmul must be one of {MATMULS}, got {name!r}")
+    return linear if name == "exact" else fast_linear
 
 
 class RMSNorm(nn.Module):
@@ -61,9 +61,10 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int):
+    def __init__(self, cfg: ModelConfig, index: int, matmul: str = "exact"):
         super().__init__()
         self.index = index
+        self.linear = matmul_fn(matmul)
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.split = (q_size, kv_size, kv_size)
@@ -84,28 +85,32 @@ class DecoderLayer(nn.Module):
                 backend: AttentionBackend, kv: KVPool, meta: Any) -> torch.Tensor:
         t = x.shape[0]
         # 1. attention: project, rotate q and k together, store the new K/V in their pages, attend.
-        qkv = linear(self.input_layernorm(x), self.qkv_proj, self.qkv_bias)
+        qkv = self.linear(self.input_layernorm(x), self.qkv_proj, self.qkv_bias)
         q_size, kv_size, _ = self.split
         qk = rotate(qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
         kv.write(self.index, meta.slots, k, v)
         attn = backend.run(self.index, q, kv, meta).view(t, -1)
-        out = linear(attn, self.o_proj)
+        out = self.linear(attn, self.o_proj)
         x = x + (out if self.reduce is None else self.reduce(out))
         # 2. SwiGLU MLP.
-        gate, up = linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, -1)
-        out = linear(F.silu(gate) * up, self.down_proj)
+        gate, up = self.linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, -1)
+        out = self.linear(F.silu(gate) * up, self.down_proj)
         return x + (out if self.reduce is None else self.reduce(out))
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", shared_embeddings: "LlamaModel | None" = None):
-        """shared_embeddings: take embed_tokens and lm_head from that model (drafters)."""
+                 device: torch.device | str = "cpu", shared_embeddings: "LlamaModel | None" = None,
+                 matmul: str = "exact"):
+        """shared_embeddings: take embed_tokens and lm_head from that model (drafters).
+        matmul: "exact" (batch-invariant, the default) or "fast" (oneDNN as it chooses)."""
         super().__init__()
         self.cfg = cfg
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.matmul = matmul
+        self.linear = matmul_fn(matmul)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, matmul) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.shares_embeddings = shared_embeddings is not None
         if shared_embeddings is None:
@@ -146,7 +151,9 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → logits [N, vocab] f32."""
-        return linear(hidden, self.lm_head).float()
+        if self.linear is linear and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
+            return linear_bf16(hidden, self.lm_head, out_float=True)  # the f32 sums, unrounded
+        return self.linear(hidden, self.lm_head).float()
 
     def new_kv_pool(self, num_pages: int, page_size: int) -> KVPool:
         c = self.cfg
@@ -178,10 +185,11 @@ class LlamaModel(nn.Module):
                 layer.post_attention_layernorm.weight.copy_(sd[p + "post_attention_layernorm.weight"])
 
 
-def load_llama(model_dir, dtype: torch.dtype, device: torch.device | str = "cpu") -> LlamaModel:
+def load_llama(model_dir, dtype: torch.dtype, device: torch.device | str = "cpu",
+               matmul: str = "exact") -> LlamaModel:
     """Build a LlamaModel from a Hugging Face style directory (config.json + safetensors)."""
     from overlap.models.loading import load_state_dict, read_model_config
 
-    model = LlamaModel(ModelConfig.from_hf(read_model_config(model_dir)), dtype, device)
+    model = LlamaModel(ModelConfig.from_hf(read_model_config(model_dir)), dtype, device, matmul=matmul)
     model.load_hf_state_dict(load_state_dict(model_dir, dtype))
     return model.eval()

@@ -135,7 +135,8 @@ def load_draft(draft_dir, target: LlamaModel) -> DraftModel:
                          f"{cfg.vocab_size}/{cfg.hidden_size} vs {target.cfg.vocab_size}/{target.cfg.hidden_size}")
     sd = load_state_dict(draft_dir, target.dtype)
     vocab_ids = sd.pop("vocab_ids", None)
-    model = LlamaModel(cfg, target.dtype, target.embed_tokens.device, shared_embeddings=target)
+    model = LlamaModel(cfg, target.dtype, target.embed_tokens.device, shared_embeddings=target,
+                       matmul=target.matmul)
     model.load_hf_state_dict(sd)
     ids = vocab_ids.long().to(target.embed_tokens.device) if vocab_ids is not None else None
     return DraftModel(model.eval(), cfg.vocab_size, ids)

@@ -6,19 +6,41 @@ import torch
 
 from helpers import hf_model, our_model, tiny_hf_config
 from overlap.attention import ReferenceBackend, SeqAttention
-from overlap.models.llama import ROW_BLOCK, linear
+from overlap.kernels import linear_bf16
+from overlap.models.llama import linear
 
 PAGE = 4
 
+# SmolLM2-135M's matmul shapes [out, in] (qkv, o, gate_up, down, lm_head), and odd ones whose
+# k is not a multiple of any vector width and whose n is not a multiple of the column tile.
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (37, 77), (5, 40)]
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 31, 32, 33, 100])
-def test_linear_rows_do_not_depend_on_batch(rows):
-    torch.manual_seed(0)
-    w = torch.randn(1536, 576, dtype=torch.bfloat16)
-    x = torch.randn(rows, 576, dtype=torch.bfloat16)
-    together = linear(x, w)
-    alone = torch.cat([linear(x[i: i + 1], w) for i in range(rows)])
-    assert torch.equal(together, alone), f"rows differ with {rows} rows (ROW_BLOCK={ROW_BLOCK})"
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_linear_rows_do_not_depend_on_batch(shape):
+    n, k = shape
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    x = torch.randn(40, k, generator=gen).to(torch.bfloat16)
+    alone = torch.cat([linear(x[i: i + 1], w, bias) for i in range(len(x))])
+    for rows in range(1, len(x) + 1):
+        assert torch.equal(linear(x[:rows], w, bias), alone[:rows]), f"{shape}: rows differ with M={rows}"
+    # A row's result does not depend on what the other rows hold either.
+    shuffled = torch.cat([torch.randn(7, k, generator=gen).to(torch.bfloat16), x[:5]])
+    assert torch.equal(linear(shuffled, w, bias)[7:], alone[:5])
+
+
+def test_linear_sums_match_float32():
+    """The kernel computes the same sum as f32 math (only the order differs): a wrong index
+    or a dropped tail shows up as a large error."""
+    gen = torch.Generator().manual_seed(1)
+    for n, k in SHAPES[:1] + SHAPES[-2:]:
+        w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+        x = torch.randn(9, k, generator=gen).to(torch.bfloat16)
+        want = x.float() @ w.float().T
+        got = linear_bf16(x, w, out_float=True)
+        assert torch.allclose(got, want, rtol=0, atol=1e-4 * k ** 0.5), (n, k, (got - want).abs().max())
 
 
 class Runner:
@@ -46,10 +68,7 @@ class Runner:
         return out
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16])
-def test_verify_equals_decode_steps_and_batching(dtype):
-    cfg = tiny_hf_config(hidden=128, heads=4, kv_heads=2, layers=3)
-    model = our_model(hf_model(cfg), cfg, dtype)
+def verify_vs_decode(model):
     prompt = list(range(10, 47))
     follow = [7, 99, 23, 5, 300]
     # A: prefill, then one decode step per token.
@@ -67,3 +86,8 @@ def test_verify_equals_decode_steps_and_batching(dtype):
                     (table, len(prompt), follow), ([40, 41], 4, [11])])[1]
     for i, step in enumerate(steps):
         assert torch.equal(step[0], verify[i]), f"token {i}: verify and decode logits differ"
+
+
+def test_verify_equals_decode_steps_and_batching():
+    cfg = tiny_hf_config(hidden=128, heads=4, kv_heads=2, layers=3)
+    verify_vs_decode(our_model(hf_model(cfg), cfg, torch.bfloat16))

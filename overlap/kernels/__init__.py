@@ -1,0 +1,81 @@
+"""Compiled CPU kernels: the batch-invariant bf16 linear (linear_bf16.cpp says why).
+
+Built once per ISA variant with the machine's C++ compiler through torch's extension
+builder, cached on disk (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions); later
+processes load the cached library in milliseconds. The variant is the best the CPU has,
+capped by ONEDNN_MAX_CPU_ISA when it is set, so the oneDNN caps the tests use to emulate
+other CPUs reach this kernel's variants too.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("linear_bf16.cpp")
+
+# variant id → (name, compiler flags, CPU flags it needs)
+VARIANTS = {
+    2: ("avx512bf16", ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                       "-mavx512bf16"], {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
+    1: ("avx512", ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
+        {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+    0: ("avx2", ["-mavx2", "-mfma"], {"avx2", "fma"}),
+    -1: ("generic", [], set()),
+}
+
+# The highest variant each oneDNN ISA cap allows (prefix match, longest first).
+_CAPS = [("AVX10", 2), ("AVX512_CORE_AMX", 2), ("AVX512_CORE_FP16", 2), ("AVX512_CORE_BF16", 2),
+         ("AVX512_CORE_VNNI", 1), ("AVX512_CORE", 1), ("AVX2", 0), ("", -1)]
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def choose_variant(flags: set[str], isa_cap: str | None) -> int:
+    """The best variant the CPU supports, at most what ONEDNN_MAX_CPU_ISA allows."""
+    best = max(v for v, (_, _, need) in VARIANTS.items() if need <= flags)
+    if isa_cap:
+        cap = next(v for prefix, v in _CAPS if isa_cap.upper().startswith(prefix))
+        best = min(best, cap)
+    return best
+
+
+@functools.cache
+def _library():
+    from torch.utils import cpp_extension
+
+    variant = choose_variant(cpu_flags(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
+    name, flags, _ = VARIANTS[variant]
+    build_dir = Path(cpp_extension._get_build_directory(f"overlap_linear_{name}", False))
+    if not (build_dir / f"overlap_linear_{name}.so").exists():
+        print(f"overlap: compiling the batch-invariant bf16 matmul ({name}; once per machine, "
+              f"about a minute)", file=sys.stderr, flush=True)
+    lib = cpp_extension.load(
+        name=f"overlap_linear_{name}", sources=[str(SOURCE)],
+        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", f"-DOVERLAP_VARIANT={variant}", *flags],
+        extra_ldflags=["-fopenmp"], verbose=False)
+    assert lib.variant() == variant
+    return lib
+
+
+def variant_name() -> str:
+    return VARIANTS[_library().variant()][0]
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                out_float: bool = False) -> torch.Tensor:
+    """x [M, K] bf16, weight [N, K] bf16 (contiguous) → [M, N] bf16 (f32 if out_float).
+    Row m of the result depends only on row m of x: bit-identical for any M."""
+    return _library().linear(x, weight, bias, out_float)
