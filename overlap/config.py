@@ -100,7 +100,11 @@ class EngineConfig:
     model: str | None = None  # None: the shipped SmolLM2-135M-Instruct GGUF
     dtype: str = "bfloat16"
     device: str = "cpu"
-    attention_backend: str = "auto"  # auto | reference | flashinfer
+    attention_backend: str = "auto"  # auto | cpu | reference | flashinfer
+    # bf16 matmuls on the CPU: exact = overlap's batch-invariant kernel (the contract of
+    # docs/architecture.md); fast = oneDNN as it chooses, NOT batch-invariant (a named
+    # option for throughput comparisons, never the default).
+    matmul: str = "exact"  # exact | fast
     overlap: bool = True  # plan step N+1 while the device runs step N's drafter catch-up
     tensor_parallel: int = 1  # ranks the target is sharded over (torch.distributed; gloo on CPU)
     tp_timeout_s: float = 60.0  # a collective waiting longer than this fails (a rank died)
@@ -127,8 +131,10 @@ def check_device(device: str, attention_backend: str = "auto") -> None:
     kind, _, index = device.partition(":")
     if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
         raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
-    if attention_backend not in ("auto", "reference", "flashinfer"):
-        raise ValueError(f"attention backend must be auto, reference or flashinfer, got {attention_backend!r}")
+    if attention_backend not in ("auto", "cpu", "reference", "flashinfer"):
+        raise ValueError(f"attention backend must be auto, cpu, reference or flashinfer, got {attention_backend!r}")
+    if attention_backend == "cpu" and kind == "cuda":
+        raise ValueError("the cpu attention backend runs on the CPU only (use flashinfer or reference on cuda)")
     if kind == "cuda":
         if not torch.cuda.is_available():
             build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"

@@ -12,8 +12,10 @@
     overlap convert [MODEL.gguf] [--out DIR]
 
 Bad input (an empty prompt, --max-tokens 0, a missing model or prompts file, a prompt longer
-than the context) ends with one line `overlap: error: ...` on stderr and exit code 2, never a
-traceback: the user needs to know what to fix, not where the check lives.
+than the context, a listen address already in use, an empty --token, no server at --server)
+ends with one line `overlap: error: ...` on stderr and exit code 2, never a traceback: the
+user needs to know what to fix, not where the check lives. A server process that fails to
+start ends `overlap serve` with one such line and exit code 1.
 """
 
 from __future__ import annotations
@@ -32,7 +34,19 @@ from overlap.models.loading import ModelNotFoundError, default_gguf_path
 from runtime.messages import RequestError, SamplingParams
 
 EXIT_USAGE = 2
+EXIT_FAILURE = 1
 SPEC_METHODS = ("none", "draft", "ngram", "mtp", "eagle")
+PROBE_TIMEOUT_S = 3.0  # --server: how long the health probe before the first request waits
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("overlap")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -62,9 +76,14 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=("bfloat16", "float32"), help="weight/activation dtype (default: bfloat16)")
     g.add_argument("--device", metavar="cpu|cuda[:N]",
                    help="where the models run (default: the config's, cpu); cuda needs a CUDA build of torch")
-    g.add_argument("--attention-backend", choices=("auto", "reference", "flashinfer"),
-                   help="attention kernels: reference (pure torch, any device) or flashinfer (CUDA, the `gpu` "
-                        "extra); default auto: flashinfer on cuda, reference on cpu")
+    g.add_argument("--attention-backend", choices=("auto", "cpu", "reference", "flashinfer"),
+                   help="attention kernels: cpu (overlap's compiled batch-invariant kernel), reference (pure "
+                        "torch, any device: the test oracle) or flashinfer (CUDA, the `gpu` extra); default "
+                        "auto: flashinfer on cuda, cpu on cpu")
+    g.add_argument("--matmul", choices=("exact", "fast"),
+                   help="bf16 matmuls on the CPU: exact (overlap's batch-invariant kernel: greedy speculation "
+                        "equals plain decoding on every CPU; the default) or fast (oneDNN as it chooses: row "
+                        "results depend on the batch, so greedy outputs may part at near-ties)")
     g.add_argument("--page-size", type=_positive_int, metavar="N", help="tokens per KV page")
     g.add_argument("--num-pages", type=_positive_int, metavar="N", help="KV pages in the cache")
     g.add_argument("--max-num-seqs", type=_positive_int, metavar="N", help="sequences per batch")
@@ -100,6 +119,7 @@ def _spec_mode(text: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="overlap", description="Speculative-decoding LLM inference runtime.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
@@ -162,10 +182,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--ws", metavar="[HOST:]PORT",
                      help="also start the websocket bridge (and its browser page) there (host: 127.0.0.1)")
     srv.add_argument("--token", metavar="SECRET",
-                     help="bearer token the websocket bridge requires (default: $OVERLAP_BRIDGE_TOKEN, none)")
+                     help="bearer token the websocket bridge requires (default: $OVERLAP_BRIDGE_TOKEN; "
+                          "unset: no auth; empty: an error)")
     srv.add_argument("--on-failure", choices=("exit", "restart"), default="exit",
                      help="when a server process dies: exit non-zero (default) or restart the processes")
     srv.add_argument("--max-restarts", type=_positive_int, default=3, metavar="N")
+    srv.add_argument("--log-level", choices=LOG_LEVELS, default="info",
+                     help="info (default) logs a line per finished request and a throughput / KV-usage "
+                          "line every --stats-interval seconds while busy; warning silences both")
+    srv.add_argument("--stats-interval", type=float, default=10.0, metavar="S",
+                     help="seconds between throughput lines while busy (default: 10; 0: none)")
     _add_engine_options(srv)
 
     brg = sub.add_parser("bridge", help="websocket <-> daemon streaming bridge, with a browser page")
@@ -173,7 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     brg.add_argument("--listen", default="127.0.0.1:8765", metavar="HOST:PORT",
                      help="where the bridge listens (default: 127.0.0.1:8765, loopback only)")
     brg.add_argument("--token", metavar="SECRET",
-                     help="require this bearer token (default: $OVERLAP_BRIDGE_TOKEN; unset: no auth)")
+                     help="require this bearer token (default: $OVERLAP_BRIDGE_TOKEN; unset: no auth; "
+                          "empty: an error)")
+    brg.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
     conv = sub.add_parser("convert", help="convert a GGUF into an HF-style directory (cached)")
     conv.add_argument("gguf", nargs="?", metavar="GGUF", help="default: the shipped model")
@@ -197,7 +225,7 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
     config = dataclasses.replace(
         config,
         **given(model=args.model, dtype=args.dtype, tensor_parallel=args.tp, device=args.device,
-                attention_backend=args.attention_backend),
+                attention_backend=args.attention_backend, matmul=getattr(args, "matmul", None)),
         cache=dataclasses.replace(config.cache, **given(page_size=args.page_size, num_pages=args.num_pages)),
         scheduler=dataclasses.replace(config.scheduler, **given(
             max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens)),
@@ -260,7 +288,7 @@ def make_engine(config: EngineConfig):
     """The one place the CLI builds an engine (tests substitute a cached one)."""
     from runtime.engine import Engine
 
-    return Engine(config, progress=True)
+    return Engine(config, progress=sys.stderr.isatty())  # no walls of \r in logs and pipes
 
 
 # -- commands ------------------------------------------------------------------------------
@@ -275,7 +303,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params.validate()
     if args.server:
         return _generate_on_server(args, params)
-    engine = make_engine(engine_config(args, args.spec))
+    config = engine_config(args, args.spec)
+    engine = make_engine(config)
     # 2. one JSON object at the end ...
     if args.json:
         result = engine.generate([args.prompt], params, chat=args.chat)[0]
@@ -286,16 +315,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
                           "finish_reason": result.finish_reason, "stats": stats}))
         return 0
     # 3. ... or stream each delta as it arrives
-    return _print_stream(engine.stream(args.prompt, params, chat=args.chat))
+    return _print_stream(engine.stream(args.prompt, params, chat=args.chat), config.spec.method)
 
 
-def _print_stream(deltas) -> int:
-    start, first, tokens, finish, last = time.perf_counter(), None, 0, None, "\n"
+def _print_stream(deltas, mode: str) -> int:
+    """Stream the text to stdout; then one summary line on stderr: tokens, time, tok/s, TTFT,
+    the speculative mode and its acceptance length (tokens per verify step), finish reason."""
+    start, first, tokens, finish, last, stats = time.perf_counter(), None, 0, None, "\n", None
     for delta in deltas:
         if delta.token_ids and first is None:
             first = time.perf_counter()
         tokens += len(delta.token_ids)
         finish = delta.finish_reason
+        stats = getattr(delta, "stats", None) or stats
         if delta.text:
             sys.stdout.write(delta.text)
             sys.stdout.flush()
@@ -305,36 +337,66 @@ def _print_stream(deltas) -> int:
         sys.stdout.flush()
     elapsed = time.perf_counter() - start
     ttft = f", TTFT {(first - start) * 1e3:.0f} ms" if first else ""
-    print(f"[{tokens} tokens in {elapsed:.2f} s, {tokens / elapsed:.1f} tok/s{ttft}, finish: {finish}]",
+    spec = f"spec {mode}"
+    if mode != "none":
+        acceptance = (stats or {}).get("acceptance_length")
+        spec += f", acceptance length {acceptance:.2f}" if acceptance is not None else ", no drafts verified"
+    print(f"[{tokens} tokens in {elapsed:.2f} s, {tokens / elapsed:.1f} tok/s{ttft}, {spec}, finish: {finish}]",
           file=sys.stderr)
     return 0
 
 
-def _server_spec(client, wanted: str | None) -> bool:
+def _probe(client, timeout: float = PROBE_TIMEOUT_S) -> dict:
+    """A health check with a short timeout before any request: no server there fails in a
+    few seconds, while the requests themselves keep the long --timeout."""
+    from runtime.client import ClientTimeout
+
+    timeout = min(timeout, client.timeout)
+    try:
+        return client.health(timeout=timeout)
+    except ClientTimeout:
+        raise ConnectionError(f"no overlap server answered at {client.address} within {timeout:g} s "
+                              "(is `overlap serve` running there?)") from None
+
+
+def _connect(address: str, timeout: float):
+    """A Client for --server ADDRESS; a malformed address is a one-line error."""
+    import zmq
+
+    from runtime.client import Client
+
+    try:
+        return Client(address, timeout=timeout)
+    except zmq.ZMQError as e:
+        raise ConnectionError(f"--server {address}: {e} (expected e.g. tcp://127.0.0.1:5557)") from None
+
+
+def _server_spec(served: str, wanted: str | None) -> bool:
     """Whether requests speculate on the server: `none` turns it off per request; any other
     mode must be the one the server runs (it is fixed when the daemon starts)."""
-    served = client.health(timeout=min(client.timeout, 30.0))["spec"]
     if wanted not in (None, "none", served):
         raise ValueError(f"the server runs --spec {served}; a request can only use it or none")
     return wanted != "none"
 
 
 def _generate_on_server(args: argparse.Namespace, params: SamplingParams) -> int:
-    from runtime.client import Client, ClientTimeout, ServerError
+    from runtime.client import ClientTimeout, ServerError
 
     messages = [{"role": "user", "content": args.prompt}] if args.chat else None
     prompt = None if args.chat else args.prompt
     try:
-        with Client(args.server, timeout=args.timeout) as client:
-            params = msgspec.structs.replace(params, spec=_server_spec(client, args.spec))
+        with _connect(args.server, args.timeout) as client:
+            served = _probe(client)["spec"]
+            params = msgspec.structs.replace(params, spec=_server_spec(served, args.spec))
             if args.json:
                 r = client.generate(prompt, messages=messages, params=params)
                 print(json.dumps({"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
                                   "stats": r.stats}))
                 return 0
-            return _print_stream(client.stream(prompt, messages=messages, params=params))
+            return _print_stream(client.stream(prompt, messages=messages, params=params),
+                                 served if params.spec else "none")
     except ClientTimeout as e:
-        raise ConnectionError(f"{e} (is `overlap serve` running there?)") from None
+        raise ConnectionError(f"{e} (the server answered its health check, then went quiet)") from None
     except ServerError as e:
         raise RequestError(e.field or "server", e.message) from None
 
@@ -358,18 +420,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from runtime.daemon import serve
+    from runtime.daemon import DaemonError, serve
 
     config = engine_config(args, args.spec)
     if args.no_overlap:
         config = dataclasses.replace(config, overlap=False)
     ws = args.ws if args.ws is None or ":" in args.ws else f"127.0.0.1:{args.ws}"
+    token = None
     if ws:
-        from runtime.ws_bridge import parse_listen
+        from runtime.ws_bridge import parse_listen, resolve_token
 
         parse_listen(ws)  # a bad value fails here, before any model loads
-    return serve(config, args.zmq, max_waiting=args.max_waiting, ws_listen=ws, ws_token=args.token,
-                 on_failure=args.on_failure, max_restarts=args.max_restarts)
+        token = resolve_token(args.token)  # so does an empty token
+    elif args.token is not None:
+        raise ValueError("--token is for the websocket bridge: give --ws too")
+    # serve() checks every listen address (--zmq, --ws) before it loads anything.
+    try:
+        return serve(config, args.zmq, max_waiting=args.max_waiting, ws_listen=ws, ws_token=token,
+                     on_failure=args.on_failure, max_restarts=args.max_restarts, log_level=args.log_level,
+                     stats_interval_s=args.stats_interval)
+    except DaemonError as e:
+        print(f"overlap: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 def cmd_bridge(args: argparse.Namespace) -> int:
@@ -377,12 +449,15 @@ def cmd_bridge(args: argparse.Namespace) -> int:
 
     import uvloop
 
-    from runtime.ws_bridge import parse_listen, run_bridge
+    from runtime.ipc import check_listen
+    from runtime.ws_bridge import parse_listen, resolve_token, run_bridge
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s bridge %(levelname)s %(message)s")
     host, port = parse_listen(args.listen)
+    token = resolve_token(args.token)
+    check_listen({"--listen": args.listen})
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s bridge %(levelname)s %(message)s")
     try:
-        uvloop.run(run_bridge(args.server, host, port, args.token))
+        uvloop.run(run_bridge(args.server, host, port, token))
     except OSError as e:
         raise ConnectionError(f"cannot listen on {args.listen}: {e.strerror or e}") from None
     return 0
@@ -396,10 +471,8 @@ def _bench_variants(args: argparse.Namespace) -> list:
     if args.compare_inprocess and not args.server:
         raise ValueError("--compare-inprocess needs --server")
     if args.server:
-        from runtime.client import Client
-
-        with Client(args.server, timeout=30) as client:
-            served = client.health()["spec"]
+        with _connect(args.server, 30) as client:
+            served = _probe(client)["spec"]
         modes = list(dict.fromkeys(args.spec or [served]))
         bad = [m for m in modes if m.partition(":")[0] not in ("none", served)]
         if bad:
@@ -446,7 +519,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
             print(out)  # already converted: the cache key covers the file's size and mtime
             return 0
-    print(convert_gguf(gguf, out, progress=True))
+    print(convert_gguf(gguf, out, progress=sys.stderr.isatty()))
     return 0
 
 

@@ -34,6 +34,7 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    stats: dict | None = None  # usage, latency and speculation stats (last delta only)
 
 
 @dataclass
@@ -54,7 +55,7 @@ class Engine:
             executor, model = start_group(config, str(model_dir), self._rendezvous.name)
             self._setup(config, model, load_tokenizer(model_dir), executor)
             return
-        model = load_llama(model_dir, torch_dtype(config.dtype), config.device)
+        model = load_llama(model_dir, torch_dtype(config.dtype), config.device, config.matmul)
         self._setup(config, model, load_tokenizer(model_dir))
 
     @classmethod
@@ -126,7 +127,8 @@ class Engine:
                 up.new_token_ids, up.finish_reason, up.num_drafts, up.num_accepted)
             if by_stop_string:
                 self.scheduler.abort(up.request_id, "stop")
-            delta = Delta(up.request_id, text, up.new_token_ids, finish)
+            delta = Delta(up.request_id, text, up.new_token_ids, finish,
+                          req.state.stats.as_dict() if finish else None)
             req.pending.append(delta)
             deltas.append(delta)
         return deltas

@@ -24,7 +24,7 @@ STEP_TIMEOUT_S = 600.0
 
 
 def run_executor_process(spec: ServeSpec) -> None:
-    log = become_child("executor")
+    log = become_child("executor", spec.log_level)
     ctx = zmq.Context()
     addresses = spec.addresses
     executor = None
@@ -41,7 +41,7 @@ def run_executor_process(spec: ServeSpec) -> None:
             rendezvous = tempfile.TemporaryDirectory(prefix="overlap-tp-")
             executor, _ = start_group(config, spec.model_dir, rendezvous.name)
         else:
-            model = load_llama(spec.model_dir, torch_dtype(config.dtype), config.device)
+            model = load_llama(spec.model_dir, torch_dtype(config.dtype), config.device, config.matmul)
             executor = build_executor(config, model)
         report_ready(ctx, addresses.daemon, "executor")
         serve(executor, recv_from_scheduler, send_to_scheduler, log)

@@ -9,16 +9,22 @@ from overlap.attention.reference import ReferenceBackend
 
 def make_backend(name: str, device: str) -> AttentionBackend:
     if name == "auto":
-        name = "flashinfer" if device.startswith("cuda") else "reference"
+        name = "flashinfer" if device.startswith("cuda") else "cpu"
     if name == "reference":
         return ReferenceBackend()
+    if name == "cpu":
+        if device.startswith("cuda"):
+            raise ValueError("the cpu attention backend runs on the CPU only")
+        from overlap.attention.cpu import CpuBackend
+
+        return CpuBackend()
     if name == "flashinfer":
         if not device.startswith("cuda"):
             raise ValueError("the flashinfer attention backend needs a CUDA device")
         from overlap.attention.flashinfer import FlashInferBackend  # GPU only
 
         return FlashInferBackend(device)
-    raise ValueError(f"unknown attention backend {name!r} (auto | reference | flashinfer)")
+    raise ValueError(f"unknown attention backend {name!r} (auto | cpu | reference | flashinfer)")
 
 
 __all__ = ["AttentionBackend", "SeqAttention", "ReferenceBackend", "make_backend"]

@@ -1,4 +1,5 @@
-"""Compiled CPU kernels: the batch-invariant bf16 linear (linear_bf16.cpp says why).
+"""Compiled CPU kernels, batch-invariant by construction: the bf16 linear (linear_bf16.cpp
+says why) and paged attention (attention.cpp).
 
 Built once per ISA variant with the machine's C++ compiler through torch's extension
 builder, cached on disk (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions); later
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("linear_bf16.cpp")
+SOURCES = [str(Path(__file__).with_name(n)) for n in ("bindings.cpp", "linear_bf16.cpp", "attention.cpp")]
 
 # variant id → (name, compiler flags, CPU flags it needs)
 VARIANTS = {
@@ -58,12 +59,11 @@ def _library():
 
     variant = choose_variant(cpu_flags(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
     name, flags, _ = VARIANTS[variant]
-    build_dir = Path(cpp_extension._get_build_directory(f"overlap_linear_{name}", False))
-    if not (build_dir / f"overlap_linear_{name}.so").exists():
-        print(f"overlap: compiling the batch-invariant bf16 matmul ({name}; once per machine, "
-              f"about a minute)", file=sys.stderr, flush=True)
+    build_dir = Path(cpp_extension._get_build_directory(f"overlap_kernels_{name}", False))
+    if not (build_dir / f"overlap_kernels_{name}.so").exists():
+        print(f"overlap: compiling the CPU kernels ({name}; once per machine, about a minute)", file=sys.stderr, flush=True)
     lib = cpp_extension.load(
-        name=f"overlap_linear_{name}", sources=[str(SOURCE)],
+        name=f"overlap_kernels_{name}", sources=SOURCES,
         extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", f"-DOVERLAP_VARIANT={variant}", *flags],
         extra_ldflags=["-fopenmp"], verbose=False)
     assert lib.variant() == variant
@@ -79,3 +79,14 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """x [M, K] bf16, weight [N, K] bf16 (contiguous) → [M, N] bf16 (f32 if out_float).
     Row m of the result depends only on row m of x: bit-identical for any M."""
     return _library().linear(x, weight, bias, out_float)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    q_start: torch.Tensor, q_len: torch.Tensor, kv_len: torch.Tensor,
+                    page_table: torch.Tensor, page_size: int, tree: torch.Tensor | None,
+                    scale: float) -> torch.Tensor:
+    """q [T, H, D]; caches [slots, Hkv, D]; q_start/q_len/kv_len [B] i32; page_table [B, P] i32;
+    tree [T, Qmax] bool or None (causal) → [T, H, D] in q's dtype (attention.cpp)."""
+    empty = torch.empty(0, dtype=torch.bool)
+    return _library().paged_attention(q, k_cache, v_cache, q_start, q_len, kv_len, page_table,
+                                      page_size, empty if tree is None else tree, scale)

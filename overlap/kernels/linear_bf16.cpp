@@ -173,8 +173,3 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch:
 }
 
 int variant() { return OVERLAP_VARIANT; }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "batch-invariant bf16 linear");
-  m.def("variant", &variant, "the ISA variant this build was compiled for");
-}

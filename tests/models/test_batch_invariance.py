@@ -6,6 +6,7 @@ import torch
 
 from helpers import hf_model, our_model, tiny_hf_config
 from overlap.attention import ReferenceBackend, SeqAttention
+from overlap.attention.cpu import CpuBackend
 from overlap.kernels import linear_bf16
 from overlap.models.llama import linear
 
@@ -46,10 +47,10 @@ def test_linear_sums_match_float32():
 class Runner:
     """Drives the model over sequences with explicit page tables."""
 
-    def __init__(self, model):
+    def __init__(self, model, backend):
         self.model = model
         self.kv = model.new_kv_pool(64, PAGE)
-        self.backend = ReferenceBackend()
+        self.backend = backend()
 
     def run(self, chunks):
         """chunks: list of (page_table, start, token_ids) → logits of every new token, per chunk."""
@@ -68,17 +69,17 @@ class Runner:
         return out
 
 
-def verify_vs_decode(model):
+def verify_vs_decode(model, backend):
     prompt = list(range(10, 47))
     follow = [7, 99, 23, 5, 300]
     # A: prefill, then one decode step per token.
-    a = Runner(model)
+    a = Runner(model, backend)
     a.run([([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], 0, prompt)])
     steps = [a.run([([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], len(prompt) + i, [t])])[0]
              for i, t in enumerate(follow)]
     # B: prefill in two chunks, then one verify pass over all follow tokens, in a batch with
     #    two other sequences (one prefilling, one decoding) on other pages.
-    b = Runner(model)
+    b = Runner(model, backend)
     table = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31]
     b.run([(table, 0, prompt[:20]), ([40, 41], 0, [3, 4, 5])])
     b.run([(table, 20, prompt[20:]), ([40, 41], 3, [9])])
@@ -88,6 +89,7 @@ def verify_vs_decode(model):
         assert torch.equal(step[0], verify[i]), f"token {i}: verify and decode logits differ"
 
 
-def test_verify_equals_decode_steps_and_batching():
+@pytest.mark.parametrize("backend", [CpuBackend, ReferenceBackend], ids=["cpu", "reference"])
+def test_verify_equals_decode_steps_and_batching(backend):
     cfg = tiny_hf_config(hidden=128, heads=4, kv_heads=2, layers=3)
-    verify_vs_decode(our_model(hf_model(cfg), cfg, torch.bfloat16))
+    verify_vs_decode(our_model(hf_model(cfg), cfg, torch.bfloat16), backend)

@@ -1,4 +1,5 @@
-"""The paged reference attention equals dense causal attention on random ragged batches."""
+"""The CPU attention backends (the compiled `cpu` kernel and the pure-torch reference) equal
+dense causal attention on random ragged batches and trees; the cpu kernel is batch-invariant."""
 
 import random
 
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 
 from overlap.attention import ReferenceBackend, SeqAttention
 from overlap.attention.base import tree_mask_from_parents
+from overlap.attention.cpu import CpuBackend
 from overlap.kv import KVPool, slot_mapping
 
 H, HKV, D = 6, 2, 16
@@ -23,7 +25,10 @@ def dense_causal(q, k, v, prefix):
     return out.transpose(0, 1).float()
 
 
-def run_batch(page_size, seqs, seed):
+BACKENDS = {"reference": ReferenceBackend, "cpu": CpuBackend}
+
+
+def run_batch(backend, page_size, seqs, seed):
     """seqs: list of (cached, new). Fills random caches, runs one step, checks each sequence."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -41,7 +46,6 @@ def run_batch(page_size, seqs, seed):
         qs.append(torch.randn(new, H, D))
         full_k.append(k)
         full_v.append(v)
-    backend = ReferenceBackend()
     meta = backend.plan(attn, page_size)
     out = backend.run(0, torch.cat(qs), pool, meta)
     row = 0
@@ -50,9 +54,10 @@ def run_batch(page_size, seqs, seed):
         row += new
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("page_size", [1, 16, 5])
 @pytest.mark.parametrize("seed", range(4))
-def test_ragged_batches_match_dense(page_size, seed):
+def test_ragged_batches_match_dense(backend, page_size, seed):
     rng = random.Random(seed)
     seqs = []
     for _ in range(rng.randint(1, 7)):
@@ -61,10 +66,11 @@ def test_ragged_batches_match_dense(page_size, seed):
         new = {"prefill": rng.randint(1, 50), "prefix_prefill": rng.randint(17, 40),
                "decode": 1, "verify": rng.randint(2, 6)}[kind]
         seqs.append((cached, new))
-    run_batch(page_size, seqs, seed)
+    run_batch(BACKENDS[backend](), page_size, seqs, seed)
 
 
-def test_tree_mask_equals_each_path_alone():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tree_mask_equals_each_path_alone(backend):
     """A tree of new tokens under a mask equals running each root-to-leaf path causally."""
     torch.manual_seed(0)
     page_size, prefix = 4, 9
@@ -76,9 +82,37 @@ def test_tree_mask_equals_each_path_alone():
     k, v = torch.randn(prefix + n, HKV, D), torch.randn(prefix + n, HKV, D)
     pool.write(0, torch.tensor(slot_mapping(table, 0, prefix + n, page_size)), k, v)
     q = torch.randn(n, H, D)
-    backend = ReferenceBackend()
+    backend = BACKENDS[backend]()
     out = backend.run(0, q, pool, backend.plan([SeqAttention(n, prefix + n, table, tree)], page_size))
     for path in ([0, 1, 3], [0, 2]):
         idx = list(range(prefix)) + [prefix + i for i in path]
         ref = dense_causal(q[path], k[idx], v[idx], prefix)
         torch.testing.assert_close(out[path], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_kernel_rows_do_not_depend_on_the_batch(dtype):
+    """A decode row, a verify pass, a tree and a prefill chunk of one sequence give the same
+    bits alone and batched with other sequences (and under other row splits)."""
+    torch.manual_seed(0)
+    page_size = 4
+    pool = KVPool(1, 40, page_size, HKV, D, dtype)
+    pool.k[0].normal_()
+    pool.v[0].normal_()
+    tree = tree_mask_from_parents([-1, 0, 0, 1, 1, 2])
+    seqs = [SeqAttention(1, 21, list(range(0, 6))), SeqAttention(4, 13, list(range(6, 10))),
+            SeqAttention(6, 15, list(range(10, 14)), tree), SeqAttention(37, 37, list(range(14, 24)))]
+    qs = [torch.randn(s.q_len, H, D).to(dtype) for s in seqs]
+    backend = CpuBackend()
+    together = backend.run(0, torch.cat(qs), pool, backend.plan(seqs, page_size))
+    row = 0
+    for s, q in zip(seqs, qs):
+        alone = backend.run(0, q, pool, backend.plan([s], page_size))
+        assert torch.equal(alone, together[row: row + s.q_len])
+        row += s.q_len
+    # The verify pass's rows equal the same tokens run as single decode steps.
+    s = seqs[1]
+    for i in range(s.q_len):
+        step = SeqAttention(1, s.kv_len - s.q_len + i + 1, s.page_table)
+        assert torch.equal(backend.run(0, qs[1][i: i + 1], pool, backend.plan([step], page_size))[0],
+                           together[1 + i])

@@ -1,0 +1,69 @@
+"""Paged attention for the CPU on overlap's compiled kernel (overlap/kernels/attention.cpp).
+
+Batch-invariant by construction (each query row runs the same fixed-order loop whatever
+shares the step), f32 math, keys and values read in place through the page table: no
+per-layer gather of the context, no mask tensor, no float64. Planning is tensor arithmetic
+over the page tables, once per step; every layer reuses it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from overlap.attention.base import SeqAttention
+from overlap.kernels import paged_attention
+from overlap.kv import KVPool
+
+
+@dataclass(frozen=True)
+class CpuMetadata:
+    slots: torch.Tensor  # [T] i64 flat KV slot of every new token
+    q_start: torch.Tensor  # [B] i32 first row of each sequence in the flat q
+    q_len: torch.Tensor  # [B] i32
+    kv_len: torch.Tensor  # [B] i32 cached + new
+    page_table: torch.Tensor  # [B, max_pages] i32 (padding: 0, never read)
+    page_size: int
+    tree: torch.Tensor | None  # [T, Qmax] bool: row t's view of its sequence's new tokens
+
+
+class CpuBackend:
+    name = "cpu"
+
+    def plan(self, seqs: list[SeqAttention], page_size: int, num_heads: int = 0,
+             num_kv_heads: int = 0, head_dim: int = 0, dtype: torch.dtype = torch.float32
+             ) -> CpuMetadata:
+        q_len = torch.tensor([s.q_len for s in seqs], dtype=torch.int32)
+        kv_len = torch.tensor([s.kv_len for s in seqs], dtype=torch.int32)
+        width = max(len(s.page_table) for s in seqs)
+        table = torch.tensor([s.page_table + [0] * (width - len(s.page_table)) for s in seqs],
+                             dtype=torch.int32)
+        q_start = (torch.cumsum(q_len, 0) - q_len).to(torch.int32)
+        # Slot of every new token: its sequence's page at position // page_size, then the offset.
+        seq_of_row = torch.repeat_interleave(torch.arange(len(seqs)), q_len.long())  # [T]
+        rows = torch.arange(seq_of_row.numel())
+        pos = rows - q_start.long()[seq_of_row] + (kv_len - q_len).long()[seq_of_row]
+        slots = table.long()[seq_of_row, pos // page_size] * page_size + pos % page_size
+        return CpuMetadata(slots, q_start, q_len, kv_len, table, page_size, _tree_rows(seqs, rows.numel()))
+
+    def run(self, layer: int, q: torch.Tensor, kv: KVPool, meta: CpuMetadata) -> torch.Tensor:
+        k, v = kv.flat(layer)
+        return paged_attention(q, k, v, meta.q_start, meta.q_len, meta.kv_len, meta.page_table,
+                               meta.page_size, meta.tree, 1.0 / math.sqrt(q.shape[-1]))
+
+
+def _tree_rows(seqs: list[SeqAttention], num_rows: int) -> torch.Tensor | None:
+    """[T, Qmax] bool visibility of each row over its own sequence's new tokens, when any
+    sequence carries a tree mask (the others get their causal rows); None when all are causal."""
+    if all(s.tree_mask is None for s in seqs):
+        return None
+    width = max(s.q_len for s in seqs)
+    tree = torch.zeros(num_rows, width, dtype=torch.bool)
+    row = 0
+    for s in seqs:
+        mask = s.tree_mask if s.tree_mask is not None else torch.ones(s.q_len, s.q_len, dtype=torch.bool).tril()
+        tree[row: row + s.q_len, : s.q_len] = mask
+        row += s.q_len
+    return tree
