@@ -96,6 +96,7 @@ class RequestStats:
     finished: float | None = None
     drafted_at: list[int] = field(default_factory=list)  # [i]: steps with a draft at position i
     accepted_at: list[int] = field(default_factory=list)  # [i]: of which the target accepted
+    rejected_at: list[int] = field(default_factory=list)  # [i]: steps whose first rejection was at position i
 
     def record_drafts(self, num_drafts: int, num_accepted: int) -> None:
         self.num_drafts += 1
@@ -105,9 +106,12 @@ class RequestStats:
         if grow > 0:
             self.drafted_at += [0] * grow
             self.accepted_at += [0] * grow
+            self.rejected_at += [0] * grow
         for i in range(num_drafts):
             self.drafted_at[i] += 1
             self.accepted_at[i] += i < num_accepted
+        if num_accepted < num_drafts:
+            self.rejected_at[num_accepted] += 1
 
     def as_dict(self) -> dict:
         d = {
@@ -122,7 +126,8 @@ class RequestStats:
                      accepted_tokens=self.num_accepted_tokens,
                      acceptance_length=1 + self.num_accepted_tokens / self.num_drafts,
                      drafted_per_position=list(self.drafted_at),
-                     accepted_per_position=list(self.accepted_at))
+                     accepted_per_position=list(self.accepted_at),
+                     rejected_per_position=list(self.rejected_at))
         return d
 
 
