@@ -154,9 +154,11 @@ def chi2_sf(x: float, df: int) -> float:
 
 
 def chi_square_gof(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0):
-    """Pearson goodness of fit of counts to probs (any shape, flattened); cells with expected count
-    below min_expected are pooled. Cells of probability 0 must be empty (else p-value 0).
-    → (statistic, degrees of freedom, p-value)."""
+    """Pearson goodness of fit of counts to probs (any shape, flattened). Every cell with expected
+    count below min_expected goes into one pooled cell (which takes the next smallest cells too
+    while its own expectation is below min_expected), so no cell of the statistic expects fewer
+    than min_expected (many tiny cells would give it a heavy tail: false alarms). Cells of
+    probability 0 must be empty (else p-value 0). → (statistic, degrees of freedom, p-value)."""
     c = counts.reshape(-1).double()
     p = probs.reshape(-1).double()
     if bool((c[p <= 0] > 0).any()):
@@ -165,11 +167,11 @@ def chi_square_gof(counts: torch.Tensor, probs: torch.Tensor, min_expected: floa
     exp = c.sum() * p / p.sum()
     order = torch.argsort(exp)
     exp, c = exp[order], c[order]
-    # pool the smallest cells until the pool is large enough, then keep the rest as they are.
+    cut = int((exp < min_expected).sum())
     cum = exp.cumsum(0)
-    cut = int((cum < min_expected).sum()) + 1 if bool(exp[0] < min_expected) else 0
-    cut = min(cut, exp.numel())
-    if cut:
+    while 0 < cut < exp.numel() and float(cum[cut - 1]) < min_expected:
+        cut += 1
+    if cut > 1:
         exp = torch.cat([exp[:cut].sum()[None], exp[cut:]])
         c = torch.cat([c[:cut].sum()[None], c[cut:]])
     stat = float(((c - exp) ** 2 / exp).sum())
@@ -196,3 +198,41 @@ def tv_tolerance(num_samples: int, num_cells: int, delta: float) -> float:
 def total_variation(counts: torch.Tensor, probs: torch.Tensor) -> float:
     c = counts.reshape(-1).double()
     return 0.5 * float((c / c.sum() - probs.reshape(-1).double()).abs().sum())
+
+
+# ----------------------------------------------------------------------------- the law of L tokens
+
+ALPHA = 1e-3  # the false-alarm rate of one assert_law call, whatever L (Bonferroni below)
+
+
+def law_pvalues(tokens: torch.Tensor, law: torch.Tensor) -> dict[str, float]:
+    """tokens [N, L] i64 and the exact joint law [V] * L of those L tokens → the p-values of a
+    family of Pearson chi-square tests: the whole joint (small cells pooled), each token's
+    marginal, and each pair of neighbours. A bias of one position's law shows in its marginal
+    with N samples over V cells (far more power than the joint's N over V^L cells); a bias in
+    how a token depends on the one before shows in their pair."""
+    vocab, length = law.shape[0], law.dim()
+    counts = counts_of(tokens, vocab)
+    out = {"joint": chi_square_gof(counts, law)[2]}
+    for i in range(length):
+        others = [d for d in range(length) if d != i]
+        out[f"token {i + 1}"] = chi_square_gof(counts.sum(others) if others else counts,
+                                               law.sum(others) if others else law)[2]
+    for i in range(length - 1):
+        others = [d for d in range(length) if d not in (i, i + 1)]
+        out[f"tokens {i + 1},{i + 2}"] = chi_square_gof(counts.sum(others) if others else counts,
+                                                        law.sum(others) if others else law)[2]
+    return out
+
+
+def law_rejected(tokens: torch.Tensor, law: torch.Tensor, alpha: float = ALPHA) -> tuple[bool, dict[str, float]]:
+    """Bonferroni over the family: reject when any p-value is below alpha / (number of tests), so a
+    correct sampler is rejected with probability at most alpha."""
+    pvalues = law_pvalues(tokens, law)
+    return min(pvalues.values()) < alpha / len(pvalues), pvalues
+
+
+def assert_law(tokens: torch.Tensor, law: torch.Tensor, alpha: float = ALPHA) -> None:
+    rejected, pvalues = law_rejected(tokens, law, alpha)
+    assert not rejected, "law of the generated tokens rejected at alpha={}: {}".format(
+        alpha, {k: f"{v:.2e}" for k, v in pvalues.items()})

@@ -2,18 +2,22 @@
 
 Toy target and draft "models" are Markov chains over a small vocabulary; markov.simulate runs the
 whole speculative loop (draft k tokens, verify_chain, append, repeat) for many independent
-requests at once, each row its own seed and its own random draft count per step. The empirical
-joint law of three generated tokens is compared with the exact one from P.
+requests at once, each row its own seed and its own random draft count per step (0..K). The
+empirical law of K+1 = 5 generated tokens (a first step with K drafts, all accepted, emits
+exactly those: drafts at every depth and the bonus after the K-th are inside the window) is
+compared with the exact one from P by markov.assert_law: a family of chi-square tests (the
+joint, each token, each neighbour pair) with Bonferroni, ALPHA = 1e-3 per assert_law call.
 
 False-failure rate: all noise is counter-based and keyed by the fixed row seeds, so every test is
-deterministic. Were the seeds drawn at random, a correct verifier would fail a chi-square assert
-with probability ALPHA and a total-variation assert with probability DELTA (a distribution-free
-bound); this file makes 7 chi-square and 21 TV asserts, under 1e-3 in all. The power tests at the
-end show that plausible engine bugs fail the same asserts by a wide margin.
+deterministic. Were the seeds drawn at random, a correct verifier would fail an assert_law with
+probability at most ALPHA. The power tests at the end run the same sample sizes through broken
+verifiers (spec/doubles.py, at every depth or only at depth K) and show the same test rejects
+them with p-values far below ALPHA / m.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -21,22 +25,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from markov import (  # noqa: E402
-    chi_square_gof,
-    counts_of,
-    exact_joint,
-    simulate,
-    total_variation,
-    tv_tolerance,
-)
+import doubles  # noqa: E402
+import pytest  # noqa: E402
+from markov import assert_law, exact_joint, law_rejected, simulate  # noqa: E402
 
 from overlap.sampling import NOISE_ACCEPT, NOISE_SAMPLE, SamplingTensors, probabilities, race, sample, uniform_noise  # noqa: E402,E501
 from overlap.spec.rejection import verify_chain  # noqa: E402
+from overlap.spec.tree import TreeShape, verify_tree  # noqa: E402
 
-ALPHA = 1e-4  # per chi-square assert
-DELTA = 1e-5  # per total-variation assert
 V = 6
 K = 4  # max drafts per step; rows draw k_b in 0..K each step
+L = K + 1  # tokens checked: one step's K drafts and its bonus
 ROWS = 50_000
 START = torch.arange(ROWS) % V  # prompt token per row: every "carried" draft row gets used
 
@@ -55,16 +54,8 @@ def _st(n: int, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Sampl
 
 
 def assert_target_law(tokens: torch.Tensor, P: torch.Tensor, start, first: int = 1) -> None:
-    """tokens [B, 3]: generated tokens first..first+2 follow the exact joint law of P."""
-    vocab = P.shape[-1]
-    joint = exact_joint(P, start, first, 3)
-    stat, df, pval = chi_square_gof(counts_of(tokens, vocab), joint)
-    assert pval > ALPHA, f"joint law of 3 tokens: chi2={stat:.1f} df={df} p={pval:.2e}"
-    tol = tv_tolerance(tokens.shape[0], vocab, DELTA)
-    for i in range(3):
-        marginal = joint.sum(dim=[d for d in range(3) if d != i])
-        tv = total_variation(torch.bincount(tokens[:, i], minlength=vocab), marginal)
-        assert tv < tol, f"marginal of token {first + i}: TV {tv:.4f} >= {tol:.4f}"
+    """tokens [B, n]: generated tokens first..first+n-1 follow the exact joint law of P."""
+    assert_law(tokens, exact_joint(P, start, first, tokens.shape[1]))
 
 
 def assert_all_paths(accept_counts: torch.Tensor) -> None:
@@ -75,20 +66,25 @@ def assert_all_paths(accept_counts: torch.Tensor) -> None:
             assert accept_counts[k, a] > 0, f"never saw {a} of {k} drafts accepted:\n{accept_counts}"
 
 
-def test_full_draft_distribution():
+@pytest.mark.parametrize("num_drafts", [None, K])
+def test_full_draft_distribution(num_drafts):
+    """Ragged k_b per row and step, or k = K in every step (five times the depth-K traffic)."""
     P, Q = _markov(0), _markov(1)
-    run = simulate(P, Q, num_rows=ROWS, num_tokens=3, max_drafts=K, start=START)
-    assert_all_paths(run.accept_counts)
+    run = simulate(P, Q, num_rows=ROWS, num_tokens=L, max_drafts=K, start=START, num_drafts=num_drafts)
+    if num_drafts is None:
+        assert_all_paths(run.accept_counts)
+    else:
+        assert all(run.accept_counts[K, a] > 0 for a in range(K + 1)), run.accept_counts
     assert_target_law(run.tokens, P, START)
 
 
 def test_later_tokens_across_steps():
-    """Tokens 4..6 come after one or more verify steps (positions of rejected drafts are drafted
+    """Tokens 6..10 come after one or more verify steps (positions of rejected drafts are drafted
     again with fresh state but the same counter noise): their law must still be exact."""
     P, Q = _markov(2), _markov(3)
-    run = simulate(P, Q, num_rows=ROWS, num_tokens=6, max_drafts=K, start=START, seed_base=10**6)
+    run = simulate(P, Q, num_rows=ROWS, num_tokens=2 * L, max_drafts=K, start=START, seed_base=10**6)
     assert run.steps > 2
-    assert_target_law(run.tokens[:, 3:6], P, START, first=4)
+    assert_target_law(run.tokens[:, L:], P, START, first=L + 1)
 
 
 def test_one_hot_draft():
@@ -97,14 +93,14 @@ def test_one_hot_draft():
     R = P.log() + 1.5 * torch.randn(V, V, generator=torch.Generator().manual_seed(5))
     Q = torch.zeros_like(R).scatter_(1, R.argmax(-1, keepdim=True), 1.0)
     assert not torch.equal(Q.argmax(-1), P.argmax(-1))
-    run = simulate(P, Q, num_rows=ROWS, num_tokens=3, max_drafts=K, start=START, seed_base=2 * 10**6)
+    run = simulate(P, Q, num_rows=ROWS, num_tokens=L, max_drafts=K, start=START, seed_base=2 * 10**6)
     assert_all_paths(run.accept_counts)
     assert_target_law(run.tokens, P, START)
 
 
 def test_draft_equal_to_target_accepts_everything():
     P = _markov(6)
-    run = simulate(P, P, num_rows=ROWS, num_tokens=3, max_drafts=K, start=START, seed_base=3 * 10**6)
+    run = simulate(P, P, num_rows=ROWS, num_tokens=L, max_drafts=K, start=START, seed_base=3 * 10**6)
     c = run.accept_counts
     assert int(c.sum()) == int(c.diagonal().sum()), f"q == p must never reject:\n{c}"
     assert_target_law(run.tokens, P, START)
@@ -118,7 +114,7 @@ def test_disjoint_support_rejects_everything():
     P = P / P.sum(-1, keepdim=True)
     Q = torch.where(~support, _markov(9), 0.0)
     Q = Q / Q.sum(-1, keepdim=True)
-    run = simulate(P, Q, num_rows=ROWS, num_tokens=3, max_drafts=K, start=START, seed_base=4 * 10**6)
+    run = simulate(P, Q, num_rows=ROWS, num_tokens=L, max_drafts=K, start=START, seed_base=4 * 10**6)
     assert int(run.accept_counts[:, 1:].sum()) == 0
     assert_target_law(run.tokens, P, START)
 
@@ -134,7 +130,7 @@ def test_temperature_top_k_top_p_on_both():
     P, Q = probabilities(target_logits, st), probabilities(draft_logits, st)
     assert bool((P == 0).any()) and bool(((P == 0) != (Q == 0)).any())  # truncation matters
     start = torch.arange(ROWS) % vocab
-    run = simulate(P, Q, num_rows=ROWS, num_tokens=3, max_drafts=K, start=start, seed_base=5 * 10**6)
+    run = simulate(P, Q, num_rows=ROWS, num_tokens=L, max_drafts=K, start=start, seed_base=5 * 10**6)
     assert_target_law(run.tokens, P, start)
 
 
@@ -159,7 +155,7 @@ def test_greedy_is_exactly_the_greedy_chain_in_a_mixed_batch():
         chain[:, i] = prev
     g_rows = group == 0
     assert torch.equal(run.tokens[g_rows], chain[start[g_rows]])
-    assert_target_law(run.tokens[~g_rows, :3], P[1], start[~g_rows])
+    assert_target_law(run.tokens[~g_rows, :L], P[1], start[~g_rows])
 
 
 def test_without_drafts_speculation_samples_the_same_tokens():
@@ -223,13 +219,16 @@ def test_noise_is_keyed_by_position():
 # ----------------------------------------------------------------------------- power checks
 
 
+def _rejected(run, P) -> None:
+    rejected, pvalues = law_rejected(run.tokens, exact_joint(P, START, 1, L))
+    assert rejected, pvalues
+
+
 def test_detects_wrong_q():
     """An engine that hands the verifier p as q (e.g. forgot the draft's temperature) accepts
-    every draft; the output then follows Q, and the chi-square must say so loudly."""
+    every draft; the output then follows Q, and the test must say so."""
     P, Q = _markov(0), _markov(1)
-    run = simulate(P, Q, num_rows=ROWS, num_tokens=3, max_drafts=K, start=START, verify_q=P)
-    stat, df, pval = chi_square_gof(counts_of(run.tokens, V), exact_joint(P, START, 1, 3))
-    assert pval < 1e-12, (stat, df, pval)
+    _rejected(simulate(P, Q, num_rows=ROWS, num_tokens=L, max_drafts=K, start=START, verify_q=P), P)
 
 
 def test_detects_bonus_from_wrong_position():
@@ -242,7 +241,38 @@ def test_detects_bonus_from_wrong_position():
         return verify_chain(tp, dp, dt, k, seed, first_pos)
 
     P, Q = _markov(0), _markov(1)
-    run = simulate(P, Q, num_rows=ROWS, num_tokens=3, max_drafts=K, start=START,
-                   verify=bonus_off_by_one)
-    stat, df, pval = chi_square_gof(counts_of(run.tokens, V), exact_joint(P, START, 1, 3))
-    assert pval < 1e-12, (stat, df, pval)
+    _rejected(simulate(P, Q, num_rows=ROWS, num_tokens=L, max_drafts=K, start=START, verify=bonus_off_by_one), P)
+
+
+@pytest.mark.parametrize("bug", sorted(doubles.BUGS))
+@pytest.mark.parametrize("at_depth", [None, K])
+def test_detects_a_broken_verifier(bug, at_depth):
+    """The recovered token drawn from p instead of the residual, or the accept test reading p
+    from the next row: at every depth (ragged k_b), or only at depth K (k = K in every step, as
+    in test_full_draft_distribution[4]: a bug there needs a window that holds depth-K drafts and
+    a sample with enough of them)."""
+    P, Q = _markov(0), _markov(1)
+    verify = functools.partial(doubles.verify_chain, **doubles.broken(bug, at_depth))
+    _rejected(simulate(P, Q, num_rows=ROWS, num_tokens=L, max_drafts=K, start=START, verify=verify,
+                       num_drafts=at_depth), P)
+
+
+def test_the_doubles_without_a_bug_are_the_real_verifiers():
+    b, vocab = 4000, 7
+    g = torch.Generator().manual_seed(15)
+    p = torch.softmax(2 * torch.randn(b, K + 1, vocab, generator=g), -1)
+    q = torch.softmax(2 * torch.randn(b, K, vocab, generator=g), -1)
+    drafts = torch.randint(0, vocab, (b, K), generator=g)
+    k_b = torch.arange(b) % (K + 1)
+    seed = torch.randint(0, 2**40, (b,), generator=g)
+    first = torch.randint(1, 5000, (b,), generator=g)
+    for want, got in zip(verify_chain(p, q, drafts, k_b, seed, first),
+                         doubles.verify_chain(p, q, drafts, k_b, seed, first)):
+        assert torch.equal(want, got)
+    shape = TreeShape.default(3, 2, 6)
+    n = shape.size
+    args = (torch.softmax(2 * torch.randn(b, n + 1, vocab, generator=g), -1),
+            torch.randint(0, vocab, (b, n), generator=g), torch.tensor(shape.parents()).expand(b, n),
+            torch.tensor(shape.sibling_order()).expand(b, n), shape.depth, shape.max_children(), seed, first)
+    for want, got in zip(verify_tree(*args), doubles.verify_tree(*args)):
+        assert torch.equal(want, got)

@@ -1,16 +1,24 @@
 """Tree verification (overlap/spec/tree.py) on toy targets with a known joint distribution:
-several children per node, top-K (one-hot) drafts, duplicated candidates, greedy."""
+several children per node, top-K (one-hot) drafts, duplicated candidates, depth 3 (the bonus
+after a depth-3 leaf), greedy. The law of depth + 1 tokens (the longest a step emits) is
+checked by markov.assert_law (alpha = markov.ALPHA per test), and broken walks
+(spec/doubles.py) are rejected by the same test and sample size."""
+
+import functools
+import itertools
 
 import pytest
 import torch
 
 from overlap.spec.tree import TreeShape, children_table, verify_tree
-from spec.markov import chi_square_gof
+from spec import doubles
+from spec.markov import assert_law, law_rejected
 
 VOCAB = 4
-ALPHA = 1e-4
+ROWS = 40000
 
 
+@functools.lru_cache(maxsize=None)
 def target_p(prefix: tuple[int, ...]) -> torch.Tensor:
     """A fixed, prefix-dependent next-token law over VOCAB tokens (a toy 'target')."""
     g = torch.Generator().manual_seed(hash(prefix) % (2**31))
@@ -39,32 +47,53 @@ def build(shape: TreeShape, duplicate: bool = False):
     return tokens, [()] + prefixes
 
 
+def exact_law(length: int) -> torch.Tensor:
+    """[VOCAB] * length f64: the target's law of `length` tokens after the root."""
+    law = torch.zeros([VOCAB] * length, dtype=torch.float64)
+    for seq in itertools.product(range(VOCAB), repeat=length):
+        law[seq] = torch.prod(torch.stack([target_p(seq[:i])[seq[i]] for i in range(length)]))
+    return law
+
+
+def complete(out: torch.Tensor, accepted: torch.Tensor, length: int) -> torch.Tensor:
+    """Each row's emitted tokens out[:, :accepted+1], completed to `length` tokens with the true
+    law (a fixed generator): a correct walk makes every row a draw from exact_law(length)."""
+    gen = torch.Generator().manual_seed(0)
+    tokens = out[:, :length].clone()
+    for i in range(1, length):
+        todo = (accepted + 1 <= i).nonzero()[:, 0]
+        if todo.numel():
+            prefixes = [tuple(r) for r in tokens[todo, :i].tolist()]
+            probs = torch.stack([target_p(p) for p in prefixes]).float()
+            tokens[todo, i] = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    return tokens
+
+
+def run_tree(shape: TreeShape, duplicate: bool = False, verify=verify_tree):
+    tokens, prefixes = build(shape, duplicate)
+    n, b = shape.size, ROWS
+    probs = torch.stack([target_p(p) for p in prefixes]).float()  # [N+1, V]
+    return verify(
+        probs.expand(b, n + 1, VOCAB), torch.tensor(tokens).expand(b, n),
+        torch.tensor(shape.parents()).expand(b, n), torch.tensor(shape.sibling_order()).expand(b, n),
+        shape.depth, shape.max_children(), torch.arange(b), torch.full((b,), 10))
+
+
+DEPTH3 = TreeShape(((0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 1), (0, 1, 0)))
+
+
 @pytest.mark.parametrize("shape,duplicate", [
     (TreeShape(((0,), (1,), (0, 0), (0, 1), (1, 0))), False),  # 2 x 2 children
     (TreeShape(((0,), (1,), (2,), (0, 0), (0, 1), (0, 2))), False),  # 3 children per level
     (TreeShape(((0,), (1,), (0, 0), (0, 1))), True),  # duplicated candidates
     (TreeShape(((0,), (0, 0))), False),  # a chain: one child per node
+    (DEPTH3, False),  # depth 3: the bonus after a depth-3 leaf is token 4
 ])
 def test_tree_verification_keeps_the_target_distribution(shape, duplicate):
-    tokens, prefixes = build(shape, duplicate)
-    n, b = shape.size, 40000
-    probs = torch.stack([target_p(p) for p in prefixes]).float()  # [N+1, V]
-    out, accepted, path = verify_tree(
-        probs.expand(b, n + 1, VOCAB), torch.tensor(tokens).expand(b, n),
-        torch.tensor(shape.parents()).expand(b, n), torch.tensor(shape.sibling_order()).expand(b, n),
-        shape.depth, shape.max_children(), torch.arange(b), torch.full((b,), 10))
-    # Complete every emitted prefix to 2 tokens with the true law, then compare with p^2.
-    gen = torch.Generator().manual_seed(0)
-    counts = torch.zeros(VOCAB, VOCAB, dtype=torch.long)
-    for row, a in zip(out.tolist(), accepted.tolist()):
-        seq = row[: a + 1]
-        if len(seq) < 2:
-            seq.append(int(torch.multinomial(target_p(tuple(seq)).float(), 1, generator=gen)))
-        counts[seq[0], seq[1]] += 1
-    law = torch.stack([target_p(()).double()[i] * target_p((i,)).double() for i in range(VOCAB)])
-    stat, df, p_value = chi_square_gof(counts, law)
-    assert p_value > ALPHA, f"chi-square {stat:.1f} on {df} df, p = {p_value:.2e}"
-    assert accepted.float().mean() > 0.2  # the tree does get accepted paths
+    out, accepted, path = run_tree(shape, duplicate)
+    length = shape.depth + 1
+    assert int((accepted == shape.depth).sum()) > ROWS // 20  # many steps end with a bonus
+    assert_law(complete(out, accepted, length), exact_law(length))
     # The path is a real root-to-node walk: each accepted node's parent is the previous one.
     parents = torch.tensor([0] + shape.parents())
     for row, a in zip(path.tolist()[:200], accepted.tolist()[:200]):
@@ -72,6 +101,16 @@ def test_tree_verification_keeps_the_target_distribution(shape, duplicate):
         for node in row[:a]:
             assert parents[node] == prev
             prev = node
+
+
+@pytest.mark.parametrize("bug", sorted(doubles.BUGS))
+def test_the_law_test_rejects_a_broken_tree_walk(bug):
+    """Siblings tested (and the extra token drawn) against p instead of the residual, or a
+    child's accept test reading p from the child's own row."""
+    verify = functools.partial(doubles.verify_tree, **doubles.broken(bug))
+    out, accepted, _ = run_tree(DEPTH3, verify=verify)
+    rejected, pvalues = law_rejected(complete(out, accepted, 4), exact_law(4))
+    assert rejected, pvalues
 
 
 def test_greedy_tree_follows_the_argmax():
