@@ -12,7 +12,10 @@ from overlap.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfi
 from overlap.kv import slot_mapping
 from runtime.engine import Engine
 from runtime.messages import SamplingParams
-from spec.test_spec_engine import assert_keeps_the_three_token_law, prompts
+from spec.doubles import patch_verifier
+from spec.engine_stats import check_engine_law, exact_law, sample
+from spec.markov import law_rejected
+from spec.test_spec_engine import prompts
 
 
 def engine(tiny_dirs, heads, target="target", depth=3, topk=2, tokens=6, page_size=16, num_pages=512,
@@ -119,10 +122,38 @@ def test_target_and_head_kv_after_tree_steps_equal_a_from_scratch_run(tiny_dirs,
     assert accepted_some
 
 
-@pytest.mark.parametrize("tree,params", [("static", SamplingParams(temperature=1.0)),
-                                         ("static", SamplingParams(temperature=0.8, top_k=3)),
-                                         ("dynamic", SamplingParams(temperature=1.0))])
-def test_eagle_sampling_keeps_the_target_distribution(tiny_dirs, heads, tree, params):
-    eng = engine(tiny_dirs, heads, target="target_v6", depth=2, topk=2, tokens=5, max_num_seqs=500,
-                 max_batched_tokens=4096, num_pages=2048, tree=tree)
-    assert_keeps_the_three_token_law(eng, params)
+T1 = SamplingParams(temperature=1.0)
+
+
+TREE_TOKENS = {"static": 4, "dynamic": 8}
+
+
+def stat_engine(tiny_dirs, echo_heads, tree):
+    """Depth-3 trees from the echo head (often right, so depth-3 leaves get accepted): the static
+    one of 4 nodes (0), (0,0), (0,0,0), (1); a dynamic one of 8 (2 + 4 candidates at depths 1
+    and 2 outrank every depth-3 one, so 6 nodes would never reach depth 3). A tree step needs room for every node and the extra token, so requests generate
+    nodes + 2 tokens: the first decode step is a tree step, the rest plain."""
+    return engine(tiny_dirs, echo_heads, target="target_v6", depth=3, topk=2, tokens=TREE_TOKENS[tree],
+                  max_num_seqs=1000, max_batched_tokens=8192, num_pages=4096, tree=tree)
+
+
+@pytest.mark.parametrize("tree,params", [("static", T1), ("dynamic", T1),
+                                         pytest.param("static", SamplingParams(temperature=0.8, top_k=3),
+                                                      marks=pytest.mark.slow)])
+def test_eagle_sampling_keeps_the_target_distribution(tiny_dirs, echo_heads, tree, params):
+    """Tokens 1..5 against their exact law: token 1 from the prefill, 2..4 the tree's path, 5 the
+    bonus after a depth-3 leaf (the stats say each depth was verified, and the leaf accepted)."""
+    eng = stat_engine(tiny_dirs, echo_heads, tree)
+    check_engine_law(eng, params, 4000, length=5, depth=3, max_tokens=TREE_TOKENS[tree] + 2)
+
+
+@pytest.mark.parametrize("bug", ["no_residual", pytest.param("wrong_row", marks=pytest.mark.slow)])
+def test_the_law_test_rejects_a_broken_tree_verifier(tiny_dirs, echo_heads, monkeypatch, bug):
+    """Power: the same sample size and test reject a tree walk that keeps testing siblings (and
+    draws the extra token) against p instead of the residual, or that reads p for a child's
+    accept test from the child's own row."""
+    eng = stat_engine(tiny_dirs, echo_heads, "static")
+    patch_verifier(monkeypatch, bug)
+    tokens, _ = sample(eng, T1, 4000, 5, seed0=1000, max_tokens=6)
+    rejected, pvalues = law_rejected(tokens, exact_law(eng, T1, 5))
+    assert rejected, pvalues

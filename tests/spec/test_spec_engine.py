@@ -1,7 +1,6 @@
 """Speculative decoding through the engine: greedy exactness for every drafter, the draft's
 KV after rejections, and the target distribution kept under sampling (chi-square)."""
 
-import itertools
 import random
 
 import pytest
@@ -11,13 +10,11 @@ from helpers import dense_forward
 from overlap.attention import ReferenceBackend, SeqAttention
 from overlap.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from overlap.kv import slot_mapping
-from overlap.sampling import SamplingTensors, probabilities
-from overlap.batch import SeqWork
 from runtime.engine import Engine
 from runtime.messages import SamplingParams
-from spec.markov import chi_square_gof, total_variation, tv_tolerance
-
-ALPHA = 1e-4  # false-failure rate of each statistical assertion
+from spec.doubles import patch_verifier
+from spec.engine_stats import check_engine_law, exact_law, sample
+from spec.markov import law_rejected
 
 
 def engine(tiny_dirs, method="none", draft="draft", target="target", k=3, page_size=16,
@@ -110,55 +107,43 @@ def test_draft_kv_equals_running_draft_from_scratch(tiny_dirs):
 
 
 # ---------------------------------------------------------------------------- distribution
+# The first k+2 generated tokens (the prefill's, k drafts, the bonus after the k-th) against their
+# exact law, on the vocab-6 tiny models (spec/engine_stats.py); alpha = markov.ALPHA per test.
 
-PROMPT = [1, 4, 3, 5, 0]
-N_SAMPLES = 6000
-
-
-def exact_three_token_law(model, params: SamplingParams) -> torch.Tensor:
-    """[V, V, V] probability of the first three generated tokens, by enumeration."""
-    vocab = model.cfg.vocab_size
-    work = SeqWork(0, [0], 0, [0], True, params.temperature, params.top_k, params.top_p, 0)
-    law = torch.zeros(vocab, vocab, vocab, dtype=torch.float64)
-    for a, b in itertools.product(range(vocab), repeat=2):
-        _, logits = dense_forward(model, PROMPT + [a, b])
-        st = SamplingTensors.from_seqs([work] * 3)
-        p = probabilities(logits[-3:], st).double()
-        law[a, b] = p[0, a] * p[1, b] * p[2]
-    return law
+N_SAMPLES = 4000  # detects the broken verifiers below with p-values far under alpha
+T1, T07_TOP4 = SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4)
 
 
-def sample_three_tokens(eng: Engine, params: SamplingParams) -> torch.Tensor:
-    counts = torch.zeros([eng.model.cfg.vocab_size] * 3, dtype=torch.long)
-    for start in range(0, N_SAMPLES, 500):
-        batch = [SamplingParams(max_tokens=3, temperature=params.temperature, top_k=params.top_k,
-                                top_p=params.top_p, seed=1000 + start + i, ignore_eos=True) for i in range(500)]
-        for r in eng.generate([PROMPT] * 500, batch):
-            counts[tuple(r.token_ids)] += 1
-    return counts
-
-
-def assert_keeps_the_three_token_law(eng: Engine, params: SamplingParams) -> None:
-    """Chi-square of the first three generated tokens against the exact law, and a total-
-    variation bound on each position's marginal."""
-    counts = sample_three_tokens(eng, params)
-    law = exact_three_token_law(eng.model, params)
-    stat, df, p_value = chi_square_gof(counts, law)
-    assert p_value > ALPHA, f"chi-square {stat:.1f} on {df} df, p = {p_value:.2e}"
-    for axis in range(3):  # per-position marginals, a distribution-free bound
-        dims = tuple(d for d in range(3) if d != axis)
-        tv = total_variation(counts.sum(dims), law.sum(dims))
-        assert tv < tv_tolerance(N_SAMPLES, law.shape[0], ALPHA)
+def stat_engine(tiny_dirs, method, draft=None, k=3) -> Engine:
+    return engine(tiny_dirs, method, draft=draft, target="target_v6", k=k, max_num_seqs=1000,
+                  max_batched_tokens=8192, num_pages=4096)
 
 
 @pytest.mark.parametrize("method,draft,params", [
-    ("draft", "draft_v6", SamplingParams(temperature=1.0)),  # a full q different from p
-    ("draft", "target_v6", SamplingParams(temperature=1.0)),  # q = p
-    ("ngram", None, SamplingParams(temperature=1.0)),  # one-hot q (deterministic drafts)
-    ("draft", "draft_v6", SamplingParams(temperature=0.7, top_k=4)),  # transforms on p and q alike
-    ("none", None, SamplingParams(temperature=1.0)),  # the plain sampler, as a control
+    ("draft", "draft_v6", T1),  # a full q different from p
+    ("ngram", None, T1),  # one-hot q (deterministic drafts)
+    pytest.param("draft", "target_v6", T1, marks=pytest.mark.slow),  # q = p: nothing is rejected
+    pytest.param("draft", "draft_v6", T07_TOP4, marks=pytest.mark.slow),  # transforms on p and q alike
+    pytest.param("none", None, T1, marks=pytest.mark.slow),  # the plain sampler, as a control
 ])
 def test_speculative_sampling_keeps_the_target_distribution(tiny_dirs, method, draft, params):
-    eng = engine(tiny_dirs, method, draft=draft, target="target_v6", k=2, max_num_seqs=500,
-                 max_batched_tokens=4096, num_pages=2048)
-    assert_keeps_the_three_token_law(eng, params)
+    """k = 3: the first decode step verifies drafts at depths 1, 2, 3 (the stats say so) and its
+    bonus is token 5; shorter accepted prefixes leave later steps with k = 2, 1, 0."""
+    eng = stat_engine(tiny_dirs, method, draft)
+    depth = 0 if method == "none" else 3
+    check_engine_law(eng, params, N_SAMPLES, length=5, depth=depth, rejects=draft != "target_v6")
+
+
+@pytest.mark.parametrize("bug,at_depth", [
+    ("no_residual", None), ("wrong_row", None),
+    ("no_residual", 3), pytest.param("wrong_row", 3, marks=pytest.mark.slow),
+])
+def test_the_law_test_rejects_a_broken_chain_verifier(tiny_dirs, monkeypatch, bug, at_depth):
+    """Power: the same sample size and test as above reject a verifier that draws the recovered
+    token from p instead of the residual, or that takes p for the accept test from the next row,
+    at every depth or only at the deepest (depth 3) one."""
+    eng = stat_engine(tiny_dirs, "draft", "draft_v6")
+    patch_verifier(monkeypatch, bug, at_depth)
+    tokens, _ = sample(eng, T1, N_SAMPLES, 5, seed0=1000)
+    rejected, pvalues = law_rejected(tokens, exact_law(eng, T1, 5))
+    assert rejected, pvalues
