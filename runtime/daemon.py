@@ -50,7 +50,8 @@ class DaemonError(RuntimeError):
 class Daemon:
     def __init__(self, config: EngineConfig, address: str = DEFAULT_ADDRESS, ready_timeout_s: float = 900.0,
                  max_waiting: int = 1024, ws_listen: str | None = None, ws_token: str | None = None,
-                 on_failure: str = "exit", max_restarts: int = 3):
+                 on_failure: str = "exit", max_restarts: int = 3, log_level: str = "INFO",
+                 stats_interval_s: float = 10.0):
         if on_failure not in ("exit", "restart"):
             raise ValueError(f"on_failure must be exit or restart, got {on_failure!r}")
         self.config = config
@@ -61,6 +62,8 @@ class Daemon:
         self.ws_token = ws_token
         self.on_failure = on_failure
         self.max_restarts = max_restarts
+        self.log_level = log_level.upper()
+        self.stats_interval_s = stats_interval_s
         self.restarts = 0
         self.endpoint: str | None = None  # the client endpoint as bound
         self.ws_endpoint: str | None = None
@@ -74,9 +77,15 @@ class Daemon:
 
     # -- lifecycle -------------------------------------------------------------------------
 
+    def listen_addresses(self) -> dict[str, str]:
+        """Every address this server listens on, by the flag that sets it."""
+        return {"--zmq": self.address, **({"--ws": self.ws_listen} if self.ws_listen else {})}
+
     def start(self) -> "Daemon":
+        # 0. every listen address, before anything loads: a busy port fails in milliseconds
+        ipc.check_listen(self.listen_addresses())
         # 1. model and limits, before any process starts (conversion is cached)
-        model_dir = str(resolve_model_dir(self.config.model, progress=True))
+        model_dir = str(resolve_model_dir(self.config.model, progress=sys.stderr.isatty()))
         model_cfg = ModelConfig.from_hf(read_model_config(model_dir))
         tokenizer = load_tokenizer(model_dir)
         self._spec_args = (self.config, model_dir, self.config.model or "SmolLM2-135M-Instruct (shipped)",
@@ -96,7 +105,7 @@ class Daemon:
         addresses, self._root = ipc.Addresses.private(address)
         self._addresses = addresses
         self._control = ipc.pull(self._ctx, addresses.daemon)
-        spec = ServeSpec(*self._spec_args, addresses, self.max_waiting)
+        spec = ServeSpec(*self._spec_args, addresses, self.max_waiting, self.log_level, self.stats_interval_s)
         self.procs = {}
         for role, entry in ROLES.items():
             proc = self._spawn.Process(target=entry, args=(spec,), name=f"overlap-{role}")
@@ -109,7 +118,7 @@ class Daemon:
 
         self._bridge = self._spawn.Process(target=run_bridge_process, name="overlap-bridge",
                                            args=(self.endpoint, self.ws_listen, self.ws_token,
-                                                 self._addresses.daemon))
+                                                 self._addresses.daemon, self.log_level))
         self._bridge.start()
         self.procs["bridge"] = self._bridge
         self._wait_ready({"bridge"})
@@ -221,12 +230,16 @@ class Daemon:
 
 
 def serve(config: EngineConfig, address: str = DEFAULT_ADDRESS, **daemon_options) -> int:
-    """`overlap serve`: run until SIGINT/SIGTERM; the exit code says whether a child failed."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s daemon %(levelname)s %(message)s",
+    """`overlap serve`: run until SIGINT/SIGTERM; the exit code says whether a child failed.
+
+    A listen address that is taken raises `ipc.AddressInUse` before anything is logged or
+    loaded; a child that fails to start raises `DaemonError`."""
+    daemon = Daemon(config, address, **daemon_options)
+    ipc.check_listen(daemon.listen_addresses())
+    logging.basicConfig(level=daemon.log_level, format="%(asctime)s daemon %(levelname)s %(message)s",
                         stream=sys.stderr)
     if "127.0.0.1" not in address and "localhost" not in address and not address.startswith("ipc://"):
         log.warning("listening on %s: beyond loopback, anyone who can reach it can use the server", address)
-    daemon = Daemon(config, address, **daemon_options)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: daemon.request_stop())
     try:

@@ -90,3 +90,71 @@ def push(ctx: zmq.Context, address: str) -> zmq.Socket:
     sock.setsockopt(zmq.LINGER, 1000)
     sock.connect(address)
     return sock
+
+
+# -- listen addresses: checked before anything loads -----------------------------------------
+
+class AddressInUse(ConnectionError):
+    """A listen address something else already holds (or that cannot be bound at all)."""
+
+
+def check_listen(addresses: dict[str, str]) -> None:
+    """Raise AddressInUse naming the first address (flag → ZeroMQ `tcp://HOST:PORT` /
+    `ipc://PATH`, or a websocket/HTTP `HOST:PORT`) that cannot be bound now.
+
+    A probe, not a reservation: the server binds for real moments later, so a race with
+    another program remains possible (the bind error then ends startup instead). Port 0 or
+    `*` (any free port) always passes.
+    """
+    for flag, address in addresses.items():
+        if address.startswith("ipc://"):
+            problem = _ipc_in_use(address[len("ipc://"):])
+        elif address.startswith("tcp://"):
+            host, port = _split_host_port(address[len("tcp://"):])
+            problem = _tcp_unbindable("0.0.0.0" if host == "*" else host, port)
+        elif "://" in address:
+            continue  # other transports (inproc, ...): ZeroMQ reports them itself
+        else:
+            host, port = _split_host_port(address)
+            problem = _tcp_unbindable(host, port)
+        if problem:
+            raise AddressInUse(f"cannot listen on {address} ({flag}): {problem}")
+
+
+def _split_host_port(text: str) -> tuple[str, str]:
+    host, _, port = text.rpartition(":")
+    return host.strip("[]"), port
+
+
+def _tcp_unbindable(host: str, port: str) -> str | None:
+    import socket
+
+    if port in ("*", "0", ""):
+        return None
+    try:
+        infos = socket.getaddrinfo(host or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, ValueError) as e:
+        return f"bad address: {e}"
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            # As ZeroMQ and asyncio bind: SO_REUSEADDR, so TIME_WAIT leftovers do not count.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(sockaddr)
+            except OSError as e:
+                return e.strerror or str(e)
+    return None
+
+
+def _ipc_in_use(path: str) -> str | None:
+    """ZeroMQ would silently take over a path another server listens on: refuse instead."""
+    import socket
+
+    if not os.path.exists(path):
+        return None
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.connect(path)
+        except OSError:
+            return None  # a stale socket file: binding replaces it
+    return "another process is listening there"

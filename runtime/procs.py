@@ -24,7 +24,7 @@ from runtime.messages import FatalError, Ready
 PR_SET_PDEATHSIG = 1
 
 
-def become_child(role: str) -> logging.Logger:
+def become_child(role: str, log_level: str = "INFO") -> logging.Logger:
     """Call first thing in a child process's entry point."""
     import setproctitle
 
@@ -40,7 +40,7 @@ def become_child(role: str) -> logging.Logger:
     # Ctrl-C reaches the whole process group; the daemon alone decides how to shut down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_once)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(message)s",
+    logging.basicConfig(level=log_level, format=f"%(asctime)s {role} %(levelname)s %(message)s",
                         stream=sys.stderr)
     return logging.getLogger(f"overlap.{role}")
 
@@ -89,3 +89,5 @@ class ServeSpec:
     limits: RequestLimits  # what a request may ask for (validated by the tokenizer process)
     addresses: ipc.Addresses
     max_waiting: int = 1024  # admission queue bound (the scheduler refuses beyond it)
+    log_level: str = "INFO"  # the access lines and the periodic throughput line are INFO
+    stats_interval_s: float = 10.0  # the scheduler's throughput / KV-usage line while busy (0: off)

@@ -7,11 +7,15 @@ process and the executor process. At most one step is in flight; its loop:
   3. then send the produced tokens of the finished step to the tokenizer.
 Step 2 comes before 3 so the executor gets plan N+1 as early as possible: it is prepared
 while the device still runs step N's drafter catch-up.
+
+While busy it logs a throughput line every `stats_interval_s` (logger "overlap.stats", INFO),
+as serving engines do: prompt and generation tokens/s, running and waiting requests, KV use.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import zmq
@@ -23,6 +27,44 @@ from runtime.messages import (AbortRequest, AddRequest, Execute, FatalError, Req
 from runtime.pages import PageAllocator
 from runtime.procs import ServeSpec, become_child, report_fatal, report_ready
 from runtime.scheduler import Scheduler
+
+stats_log = logging.getLogger("overlap.stats")
+
+
+class ThroughputLog:
+    """Counts tokens between lines and says, every `interval_s` while steps run, how fast
+    they went. A window starts at the first step after an idle gap, so idle time does not
+    dilute the rate."""
+
+    def __init__(self, interval_s: float, clock=time.monotonic):
+        self.interval_s = interval_s
+        self.clock = clock
+        self.window_start: float | None = None
+        self.last_step = 0.0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+
+    def on_step(self, prompt_tokens: int, generated_tokens: int, scheduler_stats: dict) -> str | None:
+        """Record one step; returns the line to log when the interval has passed."""
+        if self.interval_s <= 0:
+            return None
+        now = self.clock()
+        if self.window_start is None or now - self.last_step > self.interval_s:
+            self.window_start, self.prompt_tokens, self.generated_tokens = now, 0, 0
+        self.last_step = now
+        self.prompt_tokens += prompt_tokens
+        self.generated_tokens += generated_tokens
+        elapsed = now - self.window_start
+        if elapsed < self.interval_s:
+            return None
+        s = scheduler_stats
+        used = s["total_pages"] - s["free_pages"]
+        line = (f"throughput: prompt {self.prompt_tokens / elapsed:.1f} tok/s, generation "
+                f"{self.generated_tokens / elapsed:.1f} tok/s; running {s['running']}, waiting {s['waiting']}; "
+                f"KV cache {100 * used / s['total_pages']:.1f}% used ({used}/{s['total_pages']} pages); "
+                f"preemptions {s['preemptions']}")
+        self.window_start, self.prompt_tokens, self.generated_tokens = now, 0, 0
+        return line
 
 
 class SchedulerService:
@@ -41,6 +83,7 @@ class SchedulerService:
         self.updates: list[TokenUpdate] = []  # produced tokens not yet sent to the tokenizer
         self.steps = 0
         self.started = time.monotonic()
+        self.throughput = ThroughputLog(spec.stats_interval_s)
 
     @property
     def can_schedule(self) -> bool:
@@ -51,9 +94,14 @@ class SchedulerService:
             plan, self.in_flight = self.in_flight, None
             self.timing = msg.timing
             self.steps += 1
+            generated = 0
             for up in self.scheduler.update(plan, msg.output):
+                generated += len(up.new_token_ids)
                 self.updates.append(TokenUpdate(up.request_id, up.new_token_ids, up.finish_reason,
                                                 up.num_drafts, up.num_accepted))
+            line = self.throughput.on_step(self._prompt_tokens(plan), generated, self.scheduler.stats())
+            if line:
+                stats_log.info("%s", line)
         elif isinstance(msg, AddRequest):
             self._add(msg)
         elif isinstance(msg, AbortRequest):
@@ -62,6 +110,11 @@ class SchedulerService:
             self.send_to_tokenizer.send(ipc.encode(SchedulerStats(msg.query_id, self.stats())))
         elif isinstance(msg, FatalError):
             raise RuntimeError(msg.message)  # the executor is gone: so is serving
+
+    @staticmethod
+    def _prompt_tokens(plan) -> int:
+        """Prompt (prefill) tokens the step computed: every chunk that is not a decode."""
+        return sum(len(seq.token_ids) for seq in plan.seqs if not seq.is_decode)
 
     def _add(self, msg: AddRequest) -> None:
         if len(self.scheduler.waiting) >= self.max_waiting:
@@ -93,7 +146,7 @@ class SchedulerService:
 
 
 def run_scheduler_process(spec: ServeSpec) -> None:
-    log = become_child("scheduler")
+    log = become_child("scheduler", spec.log_level)
     ctx = zmq.Context()
     addresses = spec.addresses
     try:

@@ -9,12 +9,18 @@ next delta sent to it fails (the next delta sent to it fails with EHOSTUNREACH u
 requests are aborted so their pages go back at once.
 
 Nothing a client sends can stop this process: undecodable bytes get an `Error` reply
-(request_id ""), invalid requests an `Error` naming the field.
+(request_id ""), invalid requests an `Error` naming the field by its path in `Generate`:
+"prompt", "messages" or "prompt_token_ids" (whichever carried the prompt), "request_id",
+"params.max_tokens", "params.temperature", ...
+
+Every finished request is logged on one line (logger "overlap.access", INFO): its id,
+tokens, TTFT, decode speed, acceptance length and finish reason.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import signal
 import time
@@ -28,11 +34,39 @@ from overlap.models.loading import load_tokenizer
 from runtime import ipc
 from runtime.frontend import RequestState, encode_prompt, validate_request
 from runtime.messages import (Abort, AbortRequest, AddRequest, Delta, Error, FatalError, Generate,
-                              Health, HealthReply, RequestError, RequestFailed, SchedulerStats, Stats,
-                              StatsQuery, StatsReply, TokenBatch, pack_ids, unpack_ids)
+                              Health, HealthReply, RequestError, RequestFailed, SamplingParams, SchedulerStats,
+                              Stats, StatsQuery, StatsReply, TokenBatch, pack_ids, unpack_ids)
 from runtime.procs import ServeSpec, become_child, report_fatal, report_ready
 
 STATS_TIMEOUT_S = 10.0
+SAMPLING_FIELDS = frozenset(SamplingParams.__struct_fields__)
+access_log = logging.getLogger("overlap.access")
+
+
+def wire_field(field: str, msg: Generate) -> str:
+    """A validation error's field → its path in the `Generate` the client sent."""
+    if field in SAMPLING_FIELDS:
+        return f"params.{field}"
+    if field == "prompt":  # the shared checks say "prompt" for whichever form carried it
+        return "messages" if msg.messages is not None else \
+            "prompt_token_ids" if msg.prompt_token_ids is not None else "prompt"
+    return field
+
+
+def access_line(request_id: str, stats: dict, finish_reason: str) -> str:
+    """One finished request, as serving engines log it (decode speed: tokens after the first
+    over the time after the first)."""
+    out, ttft, latency = stats.get("output_tokens", 0), stats.get("ttft_s"), stats.get("latency_s")
+    decode_s = latency - ttft if latency is not None and ttft is not None else None
+    return ", ".join([
+        f"request {request_id}: {stats.get('prompt_tokens', 0)} prompt + {out} output tokens",
+        f"TTFT {ttft * 1e3:.0f} ms" if ttft is not None else "TTFT -",
+        f"{(out - 1) / decode_s:.1f} tok/s" if decode_s and out > 1 else "- tok/s",
+        f"acceptance length {stats['acceptance_length']:.2f}" if "acceptance_length" in stats
+        else "acceptance length -",
+        f"finish {finish_reason}",
+        f"latency {latency:.2f} s" if latency is not None else "latency -",
+    ])
 
 
 @dataclass
@@ -90,7 +124,8 @@ class TokenizerService:
             validate_request(ids, msg.params, self.limits)
         except RequestError as e:
             self.counts["rejected"] += 1
-            await self._reply(identity, Error(msg.request_id, str(e), field=e.field))
+            field = wire_field(e.field, msg)
+            await self._reply(identity, Error(msg.request_id, f"{field}: {e.message}", field=field))
             return
         except _Refused as r:
             self.counts["rejected"] += 1
@@ -108,7 +143,7 @@ class TokenizerService:
     def _prompt_ids(self, msg: Generate) -> list[int]:
         given = [x is not None for x in (msg.prompt, msg.messages, msg.prompt_token_ids)]
         if sum(given) != 1:
-            raise RequestError("prompt", "give exactly one of prompt, messages, prompt_token_ids")
+            raise RequestError("prompt", "give exactly one of prompt, messages or prompt_token_ids")
         if msg.prompt_token_ids is not None:
             return unpack_ids(msg.prompt_token_ids)
         if msg.messages is not None:
@@ -126,7 +161,9 @@ class TokenizerService:
         live = self._drop(internal)
         live.state.finish("abort")
         self.counts["aborted"] += 1
-        await self._reply(identity, Delta(client_request_id, "", [], "abort", live.state.stats.as_dict()))
+        stats = live.state.stats.as_dict()
+        self._log_finished(live, stats, "abort")
+        await self._reply(identity, Delta(client_request_id, "", [], "abort", stats))
 
     async def _disconnected(self, identity: bytes) -> None:
         self.counts["disconnects"] += 1
@@ -179,7 +216,13 @@ class TokenizerService:
             self._drop(up.request_id)
             self.counts["finished"] += 1
             stats = live.state.stats.as_dict()
+            self._log_finished(live, stats, finish)
         await self._reply(live.identity, Delta(live.client_request_id, text, up.token_ids, finish, stats))
+
+    @staticmethod
+    def _log_finished(live: _Live, stats: dict, finish_reason: str) -> None:
+        if access_log.isEnabledFor(logging.INFO):
+            access_log.info("%s", access_line(live.client_request_id, stats, finish_reason))
 
     async def fail_all(self, message: str) -> None:
         """The pipeline behind us is gone: every in-flight request gets an error now."""
@@ -208,7 +251,7 @@ class _Refused(Exception):
 
 
 def run_tokenizer_process(spec: ServeSpec) -> None:
-    log = become_child("tokenizer")
+    log = become_child("tokenizer", spec.log_level)
     import uvloop
 
     try:

@@ -160,22 +160,27 @@ def test_health_and_stats(client):
 
 # -- bad input -------------------------------------------------------------------------------
 
+# One naming on the ZeroMQ protocol: the field's path in the `Generate` on the wire (a list
+# prompt travels as prompt_token_ids; sampling parameters under params).
 @pytest.mark.parametrize("kwargs,field", [
     (dict(prompt=""), "prompt"),
-    (dict(prompt=[]), "prompt"),
-    (dict(prompt=[1, 2, 10**6]), "prompt"),
-    (dict(prompt="hi", max_tokens=0), "max_tokens"),
-    (dict(prompt="hi", temperature=-1.0), "temperature"),
-    (dict(prompt="hi", top_p=0.0), "top_p"),
-    (dict(prompt="hi", num_spec_tokens=99), "num_spec_tokens"),
-    (dict(prompt=list(range(10, 1100))), "prompt"),  # longer than the context
+    (dict(prompt=[]), "prompt_token_ids"),
+    (dict(prompt=[1, 2, 10**6]), "prompt_token_ids"),
+    (dict(prompt="hi", max_tokens=0), "params.max_tokens"),
+    (dict(prompt="hi", max_tokens=10**9), "params.max_tokens"),
+    (dict(prompt="hi", temperature=-1.0), "params.temperature"),
+    (dict(prompt="hi", top_p=0.0), "params.top_p"),
+    (dict(prompt="hi", num_spec_tokens=99), "params.num_spec_tokens"),
+    (dict(prompt="hi", stop_token_ids=[10**6]), "params.stop_token_ids"),
+    (dict(prompt=list(range(10, 1100))), "prompt_token_ids"),  # longer than the context
     (dict(messages=[]), "messages"),
+    (dict(messages=[{"role": "user", "content": "hi " * 1100}]), "messages"),  # longer than the context
 ])
 def test_invalid_requests_are_refused_with_the_field(client, kwargs, field):
     prompt = kwargs.pop("prompt", None)
     with pytest.raises(RequestRejected) as e:
         client.generate(prompt, **kwargs)
-    assert e.value.field == field
+    assert e.value.field == field and e.value.message.startswith(f"{field}: "), e.value.message
 
 
 def test_unknown_sampling_parameter_is_refused_by_the_client(client):
