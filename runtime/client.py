@@ -324,16 +324,27 @@ class AsyncClient:
             _raise(reply)
         return reply
 
-    async def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
-                     request_id: str | None = None, timeout: float | None = None,
-                     params: SamplingParams | None = None, **sampling) -> AsyncIterator[Delta]:
+    async def submit(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
+                     request_id: str | None = None, params: SamplingParams | None = None, **sampling) -> str:
+        """Send a request and return its id once it is on the wire; read it with `deltas(id)`.
+        An `abort(id)` sent after this returns reaches the server after the request itself."""
         msg = build_generate(request_id, prompt, messages, params, sampling)
-        queue = self._open(msg.request_id)
-        finished = False
+        self._open(msg.request_id)
         try:
             await self._sock.send(ipc.encode(msg))
+        except BaseException:
+            self._queues.pop(msg.request_id, None)
+            raise
+        return msg.request_id
+
+    async def deltas(self, request_id: str, timeout: float | None = None) -> AsyncIterator[Delta]:
+        """The deltas of one submitted request, up to and including the final one (an
+        `abort(id)` ends it with a final delta whose finish_reason is "abort")."""
+        queue = self._queues[request_id]
+        finished = False
+        try:
             while True:
-                reply = await self._next(msg.request_id, queue, timeout)
+                reply = await self._next(request_id, queue, timeout)
                 if isinstance(reply, Error):
                     finished = True
                     _raise(reply)
@@ -342,9 +353,20 @@ class AsyncClient:
                     finished = True
                     return
         finally:
-            self._queues.pop(msg.request_id, None)
+            self._queues.pop(request_id, None)
             if not finished and not self._closed:  # abandoned early: free its pages
-                await self.abort(msg.request_id)
+                await self.abort(request_id)
+
+    async def stream(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
+                     request_id: str | None = None, timeout: float | None = None,
+                     params: SamplingParams | None = None, **sampling) -> AsyncIterator[Delta]:
+        request_id = await self.submit(prompt, messages=messages, request_id=request_id, params=params, **sampling)
+        deltas = self.deltas(request_id, timeout)
+        try:
+            async for delta in deltas:
+                yield delta
+        finally:
+            await deltas.aclose()  # now, not at garbage collection: an early exit aborts at once
 
     async def generate(self, prompt: str | list[int] | None = None, *, messages: list[dict] | None = None,
                        request_id: str | None = None, timeout: float | None = None,

@@ -10,16 +10,20 @@ Protocol (one JSON object per websocket text message):
     {"type": "generate", "id": "a1", "prompt": "def fib(n):" | [ids...] | "messages": [{"role", "content"}],
      "params": {"max_tokens": 64, "temperature": 0.7, "top_p": .., "top_k": .., "seed": .., "stop": [..]},
      "spec": {"mode": "draft" | "none", "num_spec_tokens": 3}}            ("type" defaults to generate)
-    {"type": "cancel", "id": "a1"}
+    {"type": "cancel", "id": "a1"}                                         (the request ends with done/abort)
   bridge → client
     {"type": "delta", "id": "a1", "text": "...", "token_ids": [...]}       (as tokens are produced)
     {"type": "done", "id": "a1", "text": "", "token_ids": [], "finish_reason": "stop" | "length" |
      "abort", "usage": {...}, "spec": {...} | null}
     {"type": "error", "id": "a1" | null, "field": "params.max_tokens" | null, "code": "...", "message": "..."}
+Every request ends with exactly one `done` (finish_reason "abort" after a cancel, with the
+usage so far) or one `error`. An error's `field` is the path of the offending value in the
+request as sent: "prompt", "messages", "id", "params.max_tokens", "spec.mode", ...
 Many requests may run at once on one connection, each under its own id. A connection that
 closes cancels its requests, which frees their pages on the server. With a token set
-(--token or OVERLAP_BRIDGE_TOKEN), a connection must present it as `Authorization: Bearer
-TOKEN` or, for browsers (which cannot set headers on a websocket), as `?token=TOKEN`.
+(--token or OVERLAP_BRIDGE_TOKEN; an empty one is an error, not "no auth"), a connection
+must present it as `Authorization: Bearer TOKEN` or, for browsers (which cannot set headers
+on a websocket), as `?token=TOKEN`: open the page as http://HOST:PORT/?token=TOKEN.
 """
 
 from __future__ import annotations
@@ -44,7 +48,24 @@ from runtime.messages import ChatMessage, SamplingParams
 TOKEN_ENV = "OVERLAP_BRIDGE_TOKEN"
 MAX_MESSAGE_BYTES = 1 << 20  # a larger message closes the connection (code 1009)
 PAGE = Path(__file__).with_name("static") / "index.html"
+AUTH_MARKER = '<meta name="overlap-auth" content="none">'  # the page learns whether to ask for a token
 log = logging.getLogger("overlap.bridge")
+
+
+def resolve_token(token: str | None) -> str | None:
+    """The bridge's bearer token: `token` if given, else $OVERLAP_BRIDGE_TOKEN, else None (no
+    auth). An empty one is refused: `--token "$SECRET"` with SECRET unset must not quietly
+    turn authentication off."""
+    if token is not None:
+        if not token.strip():
+            raise ValueError("--token is empty (an unset shell variable?): give a non-empty token, "
+                             "or leave --token out to run without authentication")
+        return token
+    env = os.environ.get(TOKEN_ENV)
+    if env is not None and not env.strip():
+        raise ValueError(f"${TOKEN_ENV} is set but empty: give it a value, or unset it to run without "
+                         "authentication")
+    return env
 
 
 class SpecOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -99,6 +120,8 @@ def decode_request(raw: str | bytes) -> WsGenerate | WsCancel:
 
 
 def _sampling(req: WsGenerate, served_mode: str) -> SamplingParams:
+    if (req.prompt is None) == (req.messages is None):
+        raise BadRequest("give exactly one of prompt (text or token ids) or messages", "prompt", req.id)
     mode = req.spec.mode
     if mode is not None and mode not in ("none", served_mode):
         raise BadRequest(f"spec mode {mode!r} is not available: this server runs {served_mode!r} (or use 'none')",
@@ -127,11 +150,26 @@ def _error(request_id: str | None, message: str, field: str | None = None, code:
     return {"type": "error", "id": request_id, "field": field, "code": code, "message": message}
 
 
+def _ws_field(field: str | None, req: WsGenerate) -> str | None:
+    """A server error's field (a path in the ZeroMQ `Generate`) → its path in the websocket
+    request: token ids are the websocket's `prompt`, the request id is `id`, and k is
+    `spec.num_spec_tokens` when it was given there."""
+    if field == "prompt_token_ids":
+        return "prompt"
+    if field == "request_id":
+        return "id"
+    if field == "params.num_spec_tokens" and req.spec.num_spec_tokens is not None:
+        return "spec.num_spec_tokens"
+    return field
+
+
 class Bridge:
     def __init__(self, server: str, token: str | None = None, timeout: float = 300.0):
         self.server = server
-        self.token = token or None
+        self.token = token
         self.timeout = timeout
+        self.page = PAGE.read_text().replace(AUTH_MARKER, AUTH_MARKER.replace("none", "token")
+                                             if token else AUTH_MARKER)
         self.served_mode: str | None = None
         self.connections = 0
 
@@ -140,7 +178,7 @@ class Bridge:
     def process_request(self, connection: ServerConnection, request):
         if request.headers.get("Upgrade", "").lower() != "websocket":
             if urlsplit(request.path).path in ("/", "/index.html"):
-                response = connection.respond(HTTPStatus.OK, PAGE.read_text())
+                response = connection.respond(HTTPStatus.OK, self.page)
                 del response.headers["Content-Type"]
                 response.headers["Content-Type"] = "text/html; charset=utf-8"
                 return response
@@ -168,9 +206,11 @@ class Bridge:
                 try:
                     req = decode_request(raw)
                     if isinstance(req, WsCancel):
-                        task = running.get(req.id)
-                        if task is not None:
-                            task.cancel()
+                        # The server ends the request with a final "abort" delta (and its usage),
+                        # which its task forwards as the one `done`. The request was sent before
+                        # this message was read, so the abort cannot overtake it.
+                        if req.id in running:
+                            await client.abort(req.id)
                         continue
                     if req.id in running:
                         raise BadRequest(f"request id {req.id!r} is already running on this connection", "id", req.id)
@@ -178,7 +218,10 @@ class Bridge:
                 except BadRequest as e:
                     await ws.send(json.dumps(_error(e.request_id, str(e), e.field)))
                     continue
-                task = asyncio.create_task(self._run(ws, client, req, params))
+                messages = None if req.messages is None else \
+                    [{"role": m.role, "content": m.content} for m in req.messages]
+                await client.submit(req.prompt, messages=messages, request_id=req.id, params=params)
+                task = asyncio.create_task(self._run(ws, client, req))
                 running[req.id] = task
                 task.add_done_callback(lambda _, rid=req.id: running.pop(rid, None))
         except ConnectionClosed:
@@ -186,46 +229,53 @@ class Bridge:
         except (ClientTimeout, ServerError) as e:
             await ws.close(1011, f"server unavailable: {e}"[:120])
         finally:
-            # A closed websocket cancels its requests: each stream aborts on the server.
-            for task in list(running.values()):
+            # A closed websocket cancels its requests: each aborts on the server (here too for
+            # a task cancelled before it ever ran; an abort of a finished request is ignored).
+            left = list(running.items())
+            for _, task in left:
                 task.cancel()
-            await asyncio.gather(*running.values(), return_exceptions=True)
+            await asyncio.gather(*(task for _, task in left), return_exceptions=True)
+            for request_id, _ in left:
+                await client.abort(request_id)
             client.close()
 
-    async def _run(self, ws: ServerConnection, client: AsyncClient, req: WsGenerate,
-                   params: SamplingParams) -> None:
-        prompt = req.prompt
-        messages = [{"role": m.role, "content": m.content} for m in req.messages] if req.messages else None
-        text: list[str] = []
+    async def _run(self, ws: ServerConnection, client: AsyncClient, req: WsGenerate) -> None:
+        """Forward one submitted request's deltas; its last message is one done or one error.
+        Cancelled only when the connection closes (leaving `deltas` aborts it on the server)."""
+        deltas = client.deltas(req.id)
         try:
-            async for d in client.stream(prompt, messages=messages, request_id=req.id, params=params):
+            async for d in deltas:
                 if d.finish_reason:
                     await ws.send(json.dumps(_done(req.id, d.text, d.token_ids, d.finish_reason, d.stats)))
                     return
-                text.append(d.text)
                 await ws.send(json.dumps({"type": "delta", "id": req.id, "text": d.text, "token_ids": d.token_ids}))
-        except asyncio.CancelledError:
-            # A cancel message (or the connection closing): the stream's exit aborted it.
-            try:
-                await ws.send(json.dumps(_done(req.id, "", [], "abort", None)))
-            except ConnectionClosed:
-                pass
         except ServerError as e:
-            await ws.send(json.dumps(_error(req.id, e.message, e.field, e.code)))
+            field, message = _ws_field(e.field, req), e.message
+            if e.field and field != e.field and message.startswith(f"{e.field}: "):
+                message = f"{field}: {message[len(e.field) + 2:]}"
+            await ws.send(json.dumps(_error(req.id, message, field, e.code)))
         except ClientTimeout as e:
             await ws.send(json.dumps(_error(req.id, str(e), None, "unavailable")))
         except ConnectionClosed:
             pass
+        finally:
+            await deltas.aclose()
 
 
 async def run_bridge(server: str, host: str, port: int, token: str | None = None,
                      ready: asyncio.Future | None = None) -> None:
-    bridge = Bridge(server, token if token is not None else os.environ.get(TOKEN_ENV))
+    bridge = Bridge(server, resolve_token(token))
     async with serve(bridge.handle, host, port, process_request=bridge.process_request,
                      max_size=MAX_MESSAGE_BYTES) as srv:
         bound = srv.sockets[0].getsockname()
-        log.info("websocket bridge on ws://%s:%d/ (page: http://%s:%d/) -> %s%s", bound[0], bound[1],
-                 bound[0], bound[1], server, " (token required)" if bridge.token else "")
+        log.info("websocket bridge on ws://%s:%d/ (page: http://%s:%d/%s) -> %s", bound[0], bound[1],
+                 bound[0], bound[1], "?token=TOKEN" if bridge.token else "", server)
+        if bridge.token:
+            log.info("auth: on (bearer token required: Authorization header or ?token=)")
+        else:
+            log.log(logging.INFO if host in ("127.0.0.1", "localhost", "::1") else logging.WARNING,
+                    "auth: off (no --token, no $%s): anyone who can reach %s:%d can use the server",
+                    TOKEN_ENV, host, bound[1])
         if ready is not None:
             ready.set_result(bound[1])
         await asyncio.Future()  # until cancelled
@@ -238,14 +288,15 @@ def parse_listen(listen: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def run_bridge_process(server: str, listen: str, token: str | None, daemon_address: str | None) -> None:
+def run_bridge_process(server: str, listen: str, token: str | None, daemon_address: str | None,
+                       log_level: str = "INFO") -> None:
     """The bridge as a child of the daemon (`overlap serve --ws PORT`)."""
     import uvloop
     import zmq
 
     from runtime.procs import become_child, report_fatal, report_ready
 
-    log_ = become_child("bridge")
+    log_ = become_child("bridge", log_level)
     ctx = zmq.Context()
 
     async def main() -> None:

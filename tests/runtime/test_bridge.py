@@ -6,6 +6,7 @@ page in headless Chromium."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from runtime import ipc
 from runtime.client import Client
 from runtime.daemon import Daemon
 from runtime.messages import Generate, Health, SamplingParams, pack_ids
+from runtime.ws_bridge import Bridge
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = "s3cret-token"
@@ -105,7 +107,34 @@ def test_ws_chat_spec_off_and_several_requests_with_cancel(daemon, client):
             msg = json.loads(ws.recv(timeout=60))
             if msg["id"] == "long" and msg["type"] == "done":
                 assert msg["finish_reason"] == "abort"
+                usage = msg["usage"]  # the usage so far, not nulls
+                assert usage["prompt_tokens"] == 3 and 0 < usage["completion_tokens"] < 900, usage
+                assert usage["ttft_s"] > 0 and usage["latency_s"] >= usage["ttft_s"], usage
                 break
+    wait_idle(client)
+
+
+def test_ws_cancel_before_the_first_delta_ends_the_request_once_with_usage(daemon, client):
+    with ws_connect(daemon) as ws:
+        for i in range(3):  # the cancel lands before, or just after, the request starts running
+            rid = f"c{i}"
+            ws.send(json.dumps({"id": rid, "prompt": [5, 6, 7], "params": {"max_tokens": 900, "ignore_eos": True}}))
+            ws.send(json.dumps({"type": "cancel", "id": rid}))
+            got = []
+            while not got or got[-1]["type"] == "delta":
+                msg = json.loads(ws.recv(timeout=60))
+                assert msg["id"] == rid, msg
+                got.append(msg)
+            done = got[-1]
+            assert done["type"] == "done" and done["finish_reason"] == "abort", done
+            assert done["usage"]["prompt_tokens"] == 3 and done["usage"]["latency_s"] > 0, done
+            assert done["usage"]["completion_tokens"] == sum(len(m["token_ids"]) for m in got) < 900, done
+        # nothing more arrives for a cancelled request: the next message is the next request's
+        after = ws_run(ws, {"id": "after", "prompt": "hi", "params": {"max_tokens": 2, "ignore_eos": True}})
+        assert all(m["id"] == "after" for m in after)
+        ws.send(json.dumps({"type": "cancel", "id": "after"}))  # finished already: ignored, no reply
+        ws.send(json.dumps({"id": "last", "prompt": "hi", "params": {"max_tokens": 1}}))
+        assert json.loads(ws.recv(timeout=60))["id"] == "last"
     wait_idle(client)
 
 
@@ -124,13 +153,21 @@ def test_ws_auth(daemon):
     ('["a list"]', None),
     ({"id": "x", "prompt": "hi", "colour": "red"}, "colour"),
     ({"id": "x", "prompt": "hi", "params": {"max_tokens": "many"}}, "params.max_tokens"),
-    ({"id": "x", "prompt": "hi", "params": {"max_tokens": 10**9}}, "max_tokens"),
-    ({"id": "x", "prompt": "hi", "params": {"temperature": -2}}, "temperature"),
+    # One naming: the path of the value in the websocket request, whichever side checks it
+    # (the bridge decoding it, or the server validating it).
+    ({"id": "x", "prompt": "hi", "params": {"max_tokens": 10**9}}, "params.max_tokens"),
+    ({"id": "x", "prompt": "hi", "params": {"max_tokens": 0}}, "params.max_tokens"),
+    ({"id": "x", "prompt": "hi", "params": {"temperature": -2}}, "params.temperature"),
+    ({"id": "x", "prompt": "hi", "params": {"stop": [""]}}, "params.stop"),
+    ({"id": "x", "prompt": "hi", "params": {"num_spec_tokens": 99}}, "params.num_spec_tokens"),
+    ({"id": "x", "prompt": "hi", "spec": {"num_spec_tokens": 99}}, "spec.num_spec_tokens"),
     ({"id": "x", "prompt": "hi", "spec": {"mode": "eagle"}}, "spec.mode"),
     ({"id": "x", "prompt": [1, 2, 99999999]}, "prompt"),
     ({"id": "x", "prompt": ""}, "prompt"),
     ({"id": "x", "prompt": list(range(10, 1200))}, "prompt"),  # longer than the context
     ({"id": "x"}, "prompt"),
+    ({"id": "x", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, "prompt"),
+    ({"id": "x", "messages": []}, "messages"),
     ({"type": "launch", "id": "x"}, "type"),
 ])
 def test_ws_bad_input_names_the_field_and_the_connection_keeps_serving(daemon, request_, field):
@@ -139,6 +176,8 @@ def test_ws_bad_input_names_the_field_and_the_connection_keeps_serving(daemon, r
         msg = json.loads(ws.recv(timeout=60))
         assert msg["type"] == "error" and msg["message"], msg
         assert msg["field"] == field, msg
+        # the message speaks the websocket protocol too: it has no prompt_token_ids or request_id
+        assert "prompt_token_ids" not in msg["message"] and "request_id" not in msg["message"], msg
         ok = ws_run(ws, {"id": "ok", "prompt": "hi", "params": {"max_tokens": 3, "ignore_eos": True}})
         assert ok[-1]["type"] == "done" and ok[-1]["usage"]["completion_tokens"] == 3
 
@@ -157,6 +196,48 @@ def test_page_is_served(daemon):
         assert r.headers["Content-Type"].startswith("text/html") and b"new WebSocket" in r.read()
     with pytest.raises(urllib.error.HTTPError):
         urllib.request.urlopen(url + "nope", timeout=30)
+
+
+PAGE_HARNESS = """
+const [script, meta, search] = JSON.parse(require("fs").readFileSync(0, "utf8"));
+const elements = {};
+const el = (id) => elements[id] ??= { value: "", textContent: "", disabled: false, checked: false, dataset: {} };
+globalThis.document = { getElementById: el, querySelector: () => ({ content: meta }) };
+globalThis.location = { search, host: "127.0.0.1:8765", origin: "http://127.0.0.1:8765", pathname: "/" };
+const sockets = [];
+globalThis.WebSocket = class { constructor(url) { this.url = url; this.readyState = 0; sockets.push(this); }
+                               send() { throw new Error("sent on a socket that never opened"); } };
+WebSocket.OPEN = 1;
+eval(script);
+for (const ws of sockets) ws.onclose({ code: 1006, reason: "" });  // what a refused handshake looks like
+el("go").onclick();  // clicking Generate now must not start a request that can never finish
+console.log(JSON.stringify({ status: el("status").textContent, go: el("go").disabled,
+                             stop: el("stop").disabled, sockets: sockets.map((s) => s.url) }));
+"""
+
+
+def run_page(html: str, search: str) -> dict:
+    """Run the page's script in node against a fake DOM whose websocket is refused."""
+    script = html.split("<script>", 1)[1].split("</script>", 1)[0]
+    meta = re.search(r'<meta name="overlap-auth" content="(\w+)">', html).group(1)
+    r = subprocess.run(["node", "-e", PAGE_HARNESS], input=json.dumps([script, meta, search]),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node")
+def test_page_without_the_needed_token_says_so(daemon):
+    with urllib.request.urlopen(daemon.ws_endpoint.replace("ws://", "http://"), timeout=30) as r:
+        html = r.read().decode()  # this bridge has a token: the page is told so
+    no_token = run_page(html, "")
+    assert no_token["sockets"] == [] and "requires a token" in no_token["status"], no_token
+    assert "?token=" in no_token["status"] and no_token["go"] and no_token["stop"]
+    wrong = run_page(html, "?token=nope")
+    assert "wrong token" in wrong["status"] and wrong["go"], wrong
+    # a bridge without a token: the page connects without one, and says so if that fails
+    open_page = run_page(Bridge("tcp://127.0.0.1:9").page, "")
+    assert open_page["sockets"] == ["ws://127.0.0.1:8765/"] and "could not connect" in open_page["status"]
 
 
 def _chromium() -> str | None:
