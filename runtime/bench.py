@@ -336,7 +336,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def _progress(total: int, desc: str, enabled: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=not enabled, leave=False)
+    # disable=None: off when stderr is not a terminal (no walls of \r in logs and pipes)
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=None if enabled else True,
+                leave=False)
 
 
 def encode_prompts(tokenizer, max_model_len: int, prompts: list[Prompt]) -> list[list[int]]:

@@ -46,7 +46,8 @@ def run_reference(model_dir: str | Path, dtype: str, prompt_ids: list[list[int]]
     ref = HFReference(model_dir, dtype)
     ref.generate(prompt_ids[0], 4)  # warm-up, as for our engine
     outputs, total = [], 0.0
-    for ids in tqdm(prompt_ids, desc="hf c=1", unit="req", file=sys.stderr, disable=not progress, leave=False):
+    for ids in tqdm(prompt_ids, desc="hf c=1", unit="req", file=sys.stderr,
+                    disable=None if progress else True, leave=False):  # None: off when not a terminal
         t0 = time.perf_counter()
         outputs.append(ref.generate(ids, max_new_tokens))
         total += time.perf_counter() - t0
