@@ -36,7 +36,7 @@ from overlap.spec.tree import TreeShape, verify_tree  # noqa: E402
 V = 6
 K = 4  # max drafts per step; rows draw k_b in 0..K each step
 L = K + 1  # tokens checked: one step's K drafts and its bonus
-ROWS = 50_000
+ROWS = 100_000
 START = torch.arange(ROWS) % V  # prompt token per row: every "carried" draft row gets used
 
 

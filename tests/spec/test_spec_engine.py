@@ -110,7 +110,10 @@ def test_draft_kv_equals_running_draft_from_scratch(tiny_dirs):
 # The first k+2 generated tokens (the prefill's, k drafts, the bonus after the k-th) against their
 # exact law, on the vocab-6 tiny models (spec/engine_stats.py); alpha = markov.ALPHA per test.
 
-N_SAMPLES = 4000  # detects the broken verifiers below with p-values far under alpha
+# Power (noncentral chi-square at the observed statistics, alpha 1e-3 with Bonferroni): 4000
+# samples detect the broken verifiers below at every depth with power ~1; a bug at depth 3 only
+# (509 of 4000 requests reject there) needs 12000 for power >= 0.99, which the main case uses.
+N_SAMPLES, N_DEEP = 4000, 12000
 T1, T07_TOP4 = SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=4)
 
 
@@ -119,31 +122,31 @@ def stat_engine(tiny_dirs, method, draft=None, k=3) -> Engine:
                   max_batched_tokens=8192, num_pages=4096)
 
 
-@pytest.mark.parametrize("method,draft,params", [
-    ("draft", "draft_v6", T1),  # a full q different from p
-    ("ngram", None, T1),  # one-hot q (deterministic drafts)
-    pytest.param("draft", "target_v6", T1, marks=pytest.mark.slow),  # q = p: nothing is rejected
-    pytest.param("draft", "draft_v6", T07_TOP4, marks=pytest.mark.slow),  # transforms on p and q alike
-    pytest.param("none", None, T1, marks=pytest.mark.slow),  # the plain sampler, as a control
+@pytest.mark.parametrize("method,draft,params,n", [
+    ("draft", "draft_v6", T1, N_DEEP),  # a full q different from p
+    ("ngram", None, T1, N_SAMPLES),  # one-hot q (deterministic drafts)
+    pytest.param("draft", "target_v6", T1, N_SAMPLES, marks=pytest.mark.slow),  # q = p: nothing is rejected
+    pytest.param("draft", "draft_v6", T07_TOP4, N_SAMPLES, marks=pytest.mark.slow),  # transforms on p and q
+    pytest.param("none", None, T1, N_SAMPLES, marks=pytest.mark.slow),  # the plain sampler, as a control
 ])
-def test_speculative_sampling_keeps_the_target_distribution(tiny_dirs, method, draft, params):
+def test_speculative_sampling_keeps_the_target_distribution(tiny_dirs, method, draft, params, n):
     """k = 3: the first decode step verifies drafts at depths 1, 2, 3 (the stats say so) and its
     bonus is token 5; shorter accepted prefixes leave later steps with k = 2, 1, 0."""
     eng = stat_engine(tiny_dirs, method, draft)
     depth = 0 if method == "none" else 3
-    check_engine_law(eng, params, N_SAMPLES, length=5, depth=depth, rejects=draft != "target_v6")
+    check_engine_law(eng, params, n, length=5, depth=depth, rejects=draft != "target_v6")
 
 
 @pytest.mark.parametrize("bug,at_depth", [
     ("no_residual", None), ("wrong_row", None),
-    ("no_residual", 3), pytest.param("wrong_row", 3, marks=pytest.mark.slow),
+    pytest.param("no_residual", 3, marks=pytest.mark.slow), pytest.param("wrong_row", 3, marks=pytest.mark.slow),
 ])
 def test_the_law_test_rejects_a_broken_chain_verifier(tiny_dirs, monkeypatch, bug, at_depth):
-    """Power: the same sample size and test as above reject a verifier that draws the recovered
-    token from p instead of the residual, or that takes p for the accept test from the next row,
-    at every depth or only at the deepest (depth 3) one."""
+    """Power: the test and sample size of the draft_v6 case above reject a verifier that draws
+    the recovered token from p instead of the residual, or that takes p for the accept test from
+    the next row, at every depth or only at the deepest (depth 3) one."""
     eng = stat_engine(tiny_dirs, "draft", "draft_v6")
     patch_verifier(monkeypatch, bug, at_depth)
-    tokens, _ = sample(eng, T1, N_SAMPLES, 5, seed0=1000)
+    tokens, _ = sample(eng, T1, N_DEEP, 5, seed0=1000)
     rejected, pvalues = law_rejected(tokens, exact_law(eng, T1, 5))
     assert rejected, pvalues
