@@ -43,9 +43,12 @@ def test_modes_give_identical_outputs(report):
 
 
 def test_acceptance_metrics(report):
+    base = {r["concurrency"]: r for r in report["variants"][0]["runs"]}
     for v in report["variants"]:
         for r in v["runs"]:
-            assert r["speedup"] > 0
+            # speedup is this run's tokens/s over the first variant's at the same concurrency
+            assert r["speedup"] == pytest.approx(r["tokens_per_s"] / base[r["concurrency"]]["tokens_per_s"])
+            assert r["tokens_per_s"] == pytest.approx(r["output_tokens"] / r["wall_s"])
             if v["label"] == "none":
                 assert r["acceptance_length"] is None and r["drafts"] == 0
                 assert r["acceptance_per_position"] == []
