@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(gen)
 
     bench = sub.add_parser("bench", help="throughput/latency benchmark over a JSONL prompt file")
-    bench.add_argument("--prompts", required=True, metavar="FILE.jsonl",
+    bench.add_argument("--prompts", metavar="FILE.jsonl",
                        help="one JSON object per line with a \"prompt\" field, used raw, and optionally "
                             "a \"kind\" (code, chat, ...) that the report splits acceptance by")
     bench.add_argument("--max-tokens", type=int, default=128, metavar="N")
@@ -167,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-overlap", action="store_true",
                        help="also run each in-process mode with overlap off (plan only after the "
                             "previous step finished), side by side")
+    bench.add_argument("--step-costs", action="store_true",
+                       help="instead of prompts: time one target step for 1-16 rows per sequence at batch 1 "
+                            "and 8 (context --context), one MTP-head step and one draft-model step; prints "
+                            "the table, --json writes it, --plot draws ms vs rows")
+    bench.add_argument("--context", type=_positive_int, default=256, metavar="N",
+                       help="with --step-costs: cached tokens per sequence (default: 256)")
+    bench.add_argument("--plot", metavar="OUT.png", help="with --step-costs: write a PNG plot there")
     _add_engine_options(bench)
 
     srv = sub.add_parser("serve", help="run the server: tokenizer, scheduler and executor processes")
@@ -404,6 +411,10 @@ def _generate_on_server(args: argparse.Namespace, params: SamplingParams) -> int
 def cmd_bench(args: argparse.Namespace) -> int:
     from runtime.bench import format_report, load_prompts, run_bench, write_report
 
+    if args.step_costs:
+        return _bench_step_costs(args)
+    if not args.prompts:
+        raise ValueError("bench needs --prompts FILE.jsonl (e.g. benchmarks/prompts/code.jsonl), or --step-costs")
     if args.max_tokens <= 0:
         raise RequestError("max_tokens", f"must be > 0, got {args.max_tokens}")
     prompts = load_prompts(args.prompts, args.num_prompts)
@@ -416,6 +427,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         write_report(report, args.json)
         print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _bench_step_costs(args: argparse.Namespace) -> int:
+    from overlap.config import torch_dtype
+    from overlap.models.llama import load_llama
+    from overlap.models.loading import resolve_model_dir
+    from runtime import step_costs
+
+    config = engine_config(args, None)
+    model = load_llama(resolve_model_dir(config.model, progress=True), torch_dtype(config.dtype),
+                       config.device, config.matmul)
+    report = step_costs.measure(model, config, context=args.context,
+                                head_dir=config.spec.head, draft_dir=config.spec.draft_model,
+                                progress=lambda line: print(line, file=sys.stderr, flush=True))
+    report["matmul"], report["attention_backend"] = config.matmul, config.attention_backend
+    print(step_costs.format_report(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        step_costs.plot(report, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,165 @@
+"""Step costs: what one forward costs for q rows per sequence, the curve speculation plans with.
+
+    overlap bench --step-costs --json runs/step_costs.json --plot runs/step_costs.png
+
+speedup ≈ acceptance_length / (r(q) + k·c) (docs/architecture.md): r(q) is a target step over
+q rows per sequence relative to a 1-row step, c one drafter step relative to a target step.
+This measures both directly on the engine's own forward (the model, its KV pool and the
+configured attention backend, logits for every row as a verify pass needs), at a fixed
+context, for batch 1 and batch 8: the median of several timed runs after warm-up.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from overlap.attention import SeqAttention, make_backend
+from overlap.config import EngineConfig, default_draft_dir, default_head_dir
+from overlap.models.llama import LlamaModel
+
+ROWS = (1, 2, 4, 5, 8, 9, 16)
+BATCHES = (1, 8)
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up: first-touch of buffers, lazy kernel loads
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+class _Step:
+    """One forward of `batch` sequences with `rows` new tokens each after `context` cached ones."""
+
+    def __init__(self, forward, kv_pool, backend, batch: int, rows: int, context: int, vocab: int):
+        page = kv_pool.page_size
+        pages_per_seq = -(-(context + rows) // page)
+        seqs = [SeqAttention(rows, context + rows, list(range(b * pages_per_seq, (b + 1) * pages_per_seq)))
+                for b in range(batch)]
+        self.meta = backend.plan(seqs, page)
+        gen = torch.Generator().manual_seed(rows * 100 + batch)
+        self.ids = torch.randint(0, vocab, (batch * rows,), generator=gen)
+        self.positions = torch.arange(context, context + rows).repeat(batch)
+        self.logits_rows = torch.arange(batch * rows)
+        self.forward = forward
+
+    def __call__(self):
+        return self.forward(self.ids, self.positions, self.meta, self.logits_rows)
+
+
+def _pool_pages(context: int, page_size: int) -> int:
+    return max(BATCHES) * (-(-(context + max(ROWS)) // page_size)) + 1
+
+
+def measure(model: LlamaModel, config: EngineConfig = EngineConfig(), context: int = 256,
+            repeats: int = 7, head_dir=None, draft_dir=None, progress=None) -> dict:
+    """The report: target ms per (batch, rows), head and draft-model ms per batch, ratios."""
+    from overlap.models.heads import load_head
+    from overlap.spec.draft_target import load_draft
+
+    page = config.cache.page_size
+    backend = make_backend(config.attention_backend, config.device)
+    vocab = model.cfg.vocab_size
+    kv = model.new_kv_pool(_pool_pages(context, page), page)
+
+    def target(ids, pos, meta, rows):
+        return model(ids, pos, backend, kv, meta, rows)
+
+    report: dict = {"context": context, "repeats": repeats, "machine": machine(), "target": {}, "ratio": {}}
+    for batch in BATCHES:
+        costs = {}
+        for rows in ROWS:
+            costs[rows] = _median_ms(_Step(target, kv, backend, batch, rows, context, vocab), repeats)
+            if progress:
+                progress(f"target batch {batch} rows {rows}: {costs[rows]:.2f} ms")
+        report["target"][batch] = costs
+        report["ratio"][batch] = {rows: costs[rows] / costs[1] for rows in ROWS}
+
+    head = load_head(head_dir or default_head_dir(), model)
+    head_kv = head.new_kv_pool(_pool_pages(context, page), page)
+    hidden = torch.randn(max(BATCHES), model.cfg.hidden_size).to(model.dtype)
+
+    def head_step(ids, pos, meta, rows):
+        return head(ids, hidden[: ids.numel()], pos, backend, head_kv, meta, rows)
+
+    draft = load_draft(draft_dir or default_draft_dir(), model)
+    draft_kv = draft.model.new_kv_pool(_pool_pages(context, page), page)
+
+    def draft_step(ids, pos, meta, rows):
+        h, _ = draft.model(ids, pos, backend, draft_kv, meta)
+        return draft.logits(h[rows])
+
+    for name, fn, pool in (("head", head_step, head_kv), ("draft", draft_step, draft_kv)):
+        report[name] = {}
+        for batch in BATCHES:
+            ms = _median_ms(_Step(fn, pool, backend, batch, 1, context, vocab), repeats)
+            report[name][batch] = ms
+            if progress:
+                progress(f"{name} batch {batch}: {ms:.2f} ms ({ms / report['target'][batch][1]:.3f} of a target step)")
+        report[f"{name}_fraction"] = {b: report[name][b] / report["target"][b][1] for b in BATCHES}
+    return report
+
+
+def machine() -> dict:
+    """What the numbers ran on: CPU model, torch threads, the kernel variant."""
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from overlap.kernels import variant_name
+
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "kernels": variant_name(),
+            "torch": torch.__version__}
+
+
+def format_report(report: dict) -> str:
+    lines = [f"step costs at context {report['context']} (median of {report['repeats']}; "
+             f"{report['machine']['cpu']}, {report['machine']['threads']} threads, kernels "
+             f"{report['machine']['kernels']})",
+             "rows/seq | " + " | ".join(f"batch {b}: ms (r)" for b in report["target"])]
+    for rows in ROWS:
+        cells = [f"{report['target'][b][rows]:7.2f} ({report['ratio'][b][rows]:.2f})" for b in report["target"]]
+        lines.append(f"{rows:8d} | " + " | ".join(cells))
+    for name in ("head", "draft"):
+        cells = [f"batch {b}: {report[name][b]:.2f} ms = {report[name + '_fraction'][b]:.3f} of a target step"
+                 for b in report[name]]
+        lines.append(f"{name} step: " + "; ".join(cells))
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str | Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, (batch, costs) in enumerate(report["target"].items()):
+        color = f"C{i}"
+        ax.plot(list(costs), list(costs.values()), "o-", color=color, label=f"target, batch {batch}")
+        for name, style in (("head", "--"), ("draft", ":")):
+            ax.axhline(report[name][batch], color=color, linestyle=style, linewidth=1,
+                       label=f"{name} step, batch {batch}")
+    ax.set_xlabel("rows per sequence (q = k+1 or tree size)")
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"step cost at context {report['context']} ({report['machine']['kernels']})")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
