@@ -42,7 +42,7 @@ from overlap.spec.draft_target import DraftTargetProposer, load_draft
 from overlap.spec.eagle import DynamicEagleProposer, EagleProposer
 from overlap.spec.mtp import MTPProposer
 from overlap.spec.ngram import NgramProposer
-from overlap.spec.rejection import verify_chain
+from overlap.spec.rejection import verify_chain, verify_greedy
 from overlap.spec.tree import TreeShape, verify_tree
 
 
@@ -409,15 +409,21 @@ class Executor:
                 proposal.tokens.view(-1)[torch.tensor(padded_draft, dtype=torch.long, device=dev)]
         # Stage 3: verify all drafts in one target pass (q_len = k+1 per sequence).
         hidden, logits = self._target_forward(step, ids)
-        padded = torch.zeros(b * (width + 1), logits.shape[-1], device=dev)
-        padded[torch.tensor(padded_all, dtype=torch.long, device=dev)] = logits
-        rows_st = SamplingTensors.from_seqs(seqs, dev, repeats=[width + 1] * b)
-        p = probabilities(padded, rows_st).view(b, width + 1, -1)
+        padded_rows = torch.tensor(padded_all, dtype=torch.long, device=dev)
         # Drafters may find fewer drafts than reserved (n-gram); verify what they proposed.
         num_drafts = torch.tensor(proposal.num_drafts, dtype=torch.long, device=dev)
-        first = torch.tensor([s.end_pos for s in seqs], dtype=torch.long, device=dev)
-        # Stage 4 (recovered / bonus token) happens inside verify_chain.
-        tokens, accepted = verify_chain(p, proposal.probs, proposal.tokens, num_drafts, st.seed, first)
+        # Stage 4 (recovered / bonus token) happens inside verification.
+        if st.all_greedy:  # argmax compare: no [B, K+1, V] probabilities
+            best = torch.zeros(b * (width + 1), dtype=torch.long, device=dev)
+            best[padded_rows] = logits.argmax(-1)
+            tokens, accepted = verify_greedy(best.view(b, width + 1), proposal.tokens, num_drafts)
+        else:
+            padded = torch.zeros(b * (width + 1), logits.shape[-1], device=dev)
+            padded[padded_rows] = logits
+            rows_st = SamplingTensors.from_seqs(seqs, dev, repeats=[width + 1] * b)
+            p = probabilities(padded, rows_st).view(b, width + 1, -1)
+            first = torch.tensor([s.end_pos for s in seqs], dtype=torch.long, device=dev)
+            tokens, accepted = verify_chain(p, proposal.probs, proposal.tokens, num_drafts, st.seed, first)
         launched = LaunchedStep(step, tokens, accepted, proposal.num_drafts,
                                 hidden if self._reads_hidden else None)
         # Decided before the ids are published: the host's catch-up must know to skip it.

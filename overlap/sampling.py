@@ -87,6 +87,8 @@ def probabilities(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
     Greedy rows become one-hot on the argmax, so the speculative sampler treats greedy and
     sampled rows with the same formulas (min(1, p/q) is then exactly "argmax matches")."""
+    if st.all_greedy:  # no temperature, softmax or mask work when nothing is sampled
+        return torch.zeros_like(logits).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
     greedy = st.temperature == 0
     temp = torch.where(greedy, torch.ones_like(st.temperature), st.temperature)
     logits = logits / temp[:, None]
@@ -134,7 +136,9 @@ def sample(logits: torch.Tensor, st: SamplingTensors, position: torch.Tensor) ->
 
 def draw_draft(logits: torch.Tensor, st: SamplingTensors, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A drafter's token for each row: logits [B, V] f32, position [B] i64 (where the draft
-    will sit) → (tokens [B] i64, q [B, V] f32, the distribution they were drawn from)."""
+    will sit) → (tokens [B] i64, q [B, V] f32, the distribution they were drawn from; None
+    when every row is greedy: q is then one-hot at the tokens)."""
+    if st.all_greedy:
+        return logits.argmax(-1), None
     q = probabilities(logits, st)
-    tokens = q.argmax(-1) if st.all_greedy else race(q, st.seed, position, NOISE_DRAFT)
-    return tokens, q
+    return race(q, st.seed, position, NOISE_DRAFT), q

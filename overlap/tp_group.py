@@ -228,14 +228,17 @@ class SharedProposals:
     def share(self, proposal):
         from overlap.spec.base import Proposal
 
-        meta = torch.tensor([*proposal.tokens.shape, proposal.probs.shape[-1], *proposal.num_drafts], dtype=torch.long)
+        # vocab 0: no q tensor (one-hot drafts at the tokens, or greedy drafts)
+        vocab = 0 if proposal.probs is None else proposal.probs.shape[-1]
+        meta = torch.tensor([*proposal.tokens.shape, vocab, *proposal.num_drafts], dtype=torch.long)
         dist.broadcast(torch.tensor([meta.numel()], dtype=torch.long), src=0, group=self.group)
         dist.broadcast(meta, src=0, group=self.group)
         # Through host memory (the drafts group is gloo): on a GPU this copy is a sync of the
         # draft step, the price of running the draft on one rank only.
         dist.broadcast(proposal.tokens.cpu().contiguous(), src=0, group=self.group)
-        dist.broadcast(proposal.probs.cpu().contiguous(), src=0, group=self.group)
-        self.bytes_sent += meta.numel() * 8 + proposal.tokens.numel() * 8 + proposal.probs.numel() * 4
+        if proposal.probs is not None:
+            dist.broadcast(proposal.probs.cpu().contiguous(), src=0, group=self.group)
+        self.bytes_sent += meta.numel() * 8 + proposal.tokens.numel() * 8 + vocab * proposal.tokens.numel() * 4
         return Proposal(proposal.tokens, proposal.probs, proposal.num_drafts)
 
     def receive(self):
@@ -247,9 +250,10 @@ class SharedProposals:
         dist.broadcast(meta, src=0, group=self.group)
         b, k, vocab = meta[:3].tolist()
         tokens = torch.zeros(b, k, dtype=torch.long)
-        probs = torch.zeros(b, k, vocab)
+        probs = torch.zeros(b, k, vocab) if vocab else None
         dist.broadcast(tokens, src=0, group=self.group)
-        dist.broadcast(probs, src=0, group=self.group)
+        if probs is not None:
+            dist.broadcast(probs, src=0, group=self.group)
         return Proposal(tokens, probs, meta[3:].tolist())
 
 
@@ -280,8 +284,8 @@ class FollowerProposer:
 
     def propose(self, seqs, ks, sampling):
         proposal = self.channel.receive()
-        return type(proposal)(proposal.tokens.to(sampling.seed.device), proposal.probs.to(sampling.seed.device),
-                              proposal.num_drafts)
+        probs = None if proposal.probs is None else proposal.probs.to(sampling.seed.device)
+        return type(proposal)(proposal.tokens.to(sampling.seed.device), probs, proposal.num_drafts)
 
     def catch_up(self, updates) -> None:
         pass

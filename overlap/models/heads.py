@@ -47,7 +47,7 @@ from torch import nn
 from overlap.attention.base import AttentionBackend
 from overlap.config import ModelConfig
 from overlap.kv import KVPool
-from overlap.models.llama import DecoderLayer, LlamaModel, RMSNorm, linear
+from overlap.models.llama import DecoderLayer, LlamaModel, RMSNorm, linear, logits_linear
 from overlap.models.rope import RotaryTable, rotate
 
 HEAD_TYPE = "mtp"
@@ -107,7 +107,7 @@ class MTPHead(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → logits [N, vocab] f32 (through the target's lm_head)."""
-        return linear(hidden.to(self.lm_head.dtype), self.lm_head).float()
+        return logits_linear(hidden.to(self.lm_head.dtype), self.lm_head)
 
     def new_kv_pool(self, num_pages: int, page_size: int) -> KVPool:
         c = self.cfg

@@ -41,6 +41,15 @@ def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return F.linear(x, weight, bias)
 
 
+def logits_linear(hidden: torch.Tensor, weight: torch.Tensor, linear_fn=linear) -> torch.Tensor:
+    """hidden [N, hidden] @ an lm_head [V, hidden] → logits [N, V] f32. The exact kernel hands
+    back its f32 sums unrounded; every model, drafter and head scores tokens through this, so a
+    drafter that is the target itself ranks tokens exactly as the target does."""
+    if linear_fn is linear and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
+        return linear_bf16(hidden, weight, out_float=True)
+    return linear_fn(hidden, weight).float()
+
+
 def matmul_fn(name: str):
     if name not in MATMULS:
         raise ValueError(f"matmul must be one of {MATMULS}, got {name!r}")
@@ -151,9 +160,7 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → logits [N, vocab] f32."""
-        if self.linear is linear and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
-            return linear_bf16(hidden, self.lm_head, out_float=True)  # the f32 sums, unrounded
-        return self.linear(hidden, self.lm_head).float()
+        return logits_linear(hidden, self.lm_head, self.linear)
 
     def new_kv_pool(self, num_pages: int, page_size: int) -> KVPool:
         c = self.cfg

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.config import ModelConfig
-from overlap.models.llama import LlamaModel, linear
+from overlap.models.llama import LlamaModel, logits_linear
 
 
 def _split(n: int, world: int, rank: int) -> range:
@@ -97,7 +97,7 @@ class ShardedLlamaModel(LlamaModel):
         return self.comm.all_reduce(local)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_gather_last(linear(hidden, self.lm_head).float(), self._vocab_sizes)
+        return self.comm.all_gather_last(logits_linear(hidden, self.lm_head, self.linear), self._vocab_sizes)
 
 
 def load_sharded(model_dir, shard: Shard, comm: Collectives, dtype: torch.dtype = torch.float32,

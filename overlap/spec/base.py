@@ -24,7 +24,9 @@ from overlap.sampling import SamplingTensors
 @dataclass(frozen=True)
 class Proposal:
     tokens: torch.Tensor  # [B, K] i64 draft tokens (columns past num_drafts[b] are padding)
-    probs: torch.Tensor  # [B, K, V] f32 q at each draft position (one-hot for deterministic drafters)
+    # [B, K, V] f32 q at each draft position; None when q is one-hot at the draft tokens
+    # (deterministic drafters, greedy drafts): verification then needs no [B, K, V] tensor.
+    probs: torch.Tensor | None
     num_drafts: list[int]  # per row, <= the k asked for (n-gram may find fewer)
     host_tokens: list[list[int]] | None = None  # the same drafts as Python ints (host drafters)
 
@@ -51,7 +53,3 @@ class Proposer(Protocol):
 
     def release(self, seq_ids: list[int]) -> None: ...
 
-
-def one_hot_probs(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
-    """tokens [B, K] i64 → [B, K, V] f32 one-hot q for deterministic drafts."""
-    return torch.zeros(*tokens.shape, vocab, device=tokens.device).scatter_(2, tokens[..., None], 1.0)

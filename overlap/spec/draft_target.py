@@ -19,7 +19,7 @@ import torch
 from overlap.attention.base import AttentionBackend, SeqAttention
 from overlap.batch import SeqWork
 from overlap.graphs import GraphRunner
-from overlap.models.llama import LlamaModel, linear
+from overlap.models.llama import LlamaModel, logits_linear
 from overlap.sampling import SamplingTensors, draw_draft
 from overlap.spec.base import CatchUp, Proposal
 
@@ -37,7 +37,7 @@ class DraftModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → [N, vocab] f32, -inf outside vocab_ids."""
-        sub = linear(hidden, self.lm_head).float()
+        sub = logits_linear(hidden, self.lm_head, self.model.linear)
         if self.vocab_ids is None:
             return sub
         full = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), device=hidden.device)
@@ -84,7 +84,8 @@ class DraftTargetProposer:
         b, width = len(seqs), max(ks)
         device = sampling.seed.device
         tokens = torch.zeros(b, width, dtype=torch.long, device=device)
-        probs = torch.zeros(b, width, self.draft.vocab_size, device=device)
+        # q for sampled drafts; greedy drafts are one-hot at their tokens: None, no [B, K, V].
+        probs = None if sampling.all_greedy else torch.zeros(b, width, self.draft.vocab_size, device=device)
         # Draft i sits at position end_pos + i (end_pos: where the target's next token goes).
         first = torch.tensor([s.end_pos for s in seqs], dtype=torch.long, device=device)
         rows = [r for r in range(b) if ks[r] > 0]  # sequences with speculation off propose nothing
@@ -93,7 +94,8 @@ class DraftTargetProposer:
             # 1. sample draft i of every row that still drafts, from q_i.
             d, q = draw_draft(logits, sampling.select(rows), first[rows] + i)
             tokens[rows, i] = d
-            probs[rows, i] = q
+            if probs is not None:
+                probs[rows, i] = q
             # 2. run the draft on it to get q_{i+1}, for rows that need another draft.
             keep = [j for j, r in enumerate(rows) if ks[r] > i + 1]  # positions within rows
             if not keep:

@@ -75,13 +75,15 @@ class MTPProposer:
         first = torch.tensor([s.end_pos for s in seqs], dtype=torch.long, device=device)
         rows = [r for r in range(b) if ks[r] > 0]
         logits = torch.stack([self.carried[seqs[r].seq_id][0] for r in rows])  # [rows, V] f32
-        probs = torch.zeros(b, width, logits.shape[-1], device=device)  # V: the full vocabulary
+        # q for sampled drafts ([B, K, V], V: the full vocabulary); greedy drafts are one-hot: None.
+        probs = None if sampling.all_greedy else torch.zeros(b, width, logits.shape[-1], device=device)
         hidden = torch.stack([self.carried[seqs[r].seq_id][1] for r in rows])  # [rows, H]
         for i in range(width):
             # 1. sample draft i of every row that still drafts, from q_i
             d, q = draw_draft(logits, sampling.select(rows), first[rows] + i)
             tokens[rows, i] = d
-            probs[rows, i] = q
+            if probs is not None:
+                probs[rows, i] = q
             # 2. the head on (draft i, its own hidden) for q_{i+1}, where another draft is wanted
             keep = [j for j, r in enumerate(rows) if ks[r] > i + 1]
             if not keep:

@@ -12,7 +12,7 @@ import torch
 
 from overlap.batch import SeqWork
 from overlap.sampling import SamplingTensors
-from overlap.spec.base import CatchUp, Proposal, one_hot_probs
+from overlap.spec.base import CatchUp, Proposal
 
 
 def lookup(history: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -44,7 +44,7 @@ class NgramProposer:
                  for s, k in zip(seqs, ks)]
         rows = [f + [0] * (width - len(f)) for f in found]
         tokens = torch.tensor(rows, dtype=torch.long, device=self.device).view(len(seqs), width)
-        return Proposal(tokens, one_hot_probs(tokens, self.vocab_size), [len(f) for f in found], found)
+        return Proposal(tokens, None, [len(f) for f in found], found)  # q: one-hot at the tokens
 
     def catch_up(self, updates: list[CatchUp]) -> None:
         for u in updates:

@@ -25,9 +25,27 @@ import torch
 from overlap.sampling import NOISE_ACCEPT, NOISE_SAMPLE, race, uniform_noise
 
 
+def verify_greedy(
+    target_best: torch.Tensor,  # [B, K+1] i64: the target's argmax after each prefix
+    draft_tokens: torch.Tensor,  # [B, K] i64
+    num_drafts: torch.Tensor,  # [B] i64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify_chain when every request is greedy: p is one-hot at the target's argmax, so a
+    draft is accepted iff it is that argmax, and the recovered / bonus token is the argmax at
+    the end of the accepted prefix. No probabilities, no noise: an argmax compare and a
+    cumulative product. Same outputs as verify_chain on one-hot p."""
+    k = draft_tokens.shape[1]
+    cols = torch.arange(k, device=draft_tokens.device)
+    accepted = (draft_tokens == target_best[:, :k]) & (cols[None, :] < num_drafts[:, None])
+    num_accepted = torch.cumprod(accepted.long(), dim=1).sum(dim=1)  # [B]
+    extra = target_best.gather(1, num_accepted[:, None])  # [B, 1]
+    tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(draft_tokens.shape[0], 1)], dim=1)
+    return tokens.scatter(1, num_accepted[:, None], extra), num_accepted
+
+
 def verify_chain(
     target_probs: torch.Tensor,  # [B, K+1, V] f32: p_1 .. p_{K+1}
-    draft_probs: torch.Tensor,  # [B, K, V] f32: q_1 .. q_K
+    draft_probs: torch.Tensor | None,  # [B, K, V] f32: q_1 .. q_K; None: one-hot at the drafts
     draft_tokens: torch.Tensor,  # [B, K] i64
     num_drafts: torch.Tensor,  # [B] i64: k_b <= K; draft columns past k_b are padding
     seed: torch.Tensor,  # [B] i64
@@ -35,12 +53,13 @@ def verify_chain(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """→ (tokens [B, K+1] i64: accepted drafts then the recovered/bonus token, padding after;
           num_accepted [B] i64). Row b emits tokens[b, : num_accepted[b] + 1]."""
-    b, k, vocab = draft_probs.shape
+    b, k = draft_tokens.shape
     rows = torch.arange(b, device=draft_tokens.device)
     cols = torch.arange(k, device=draft_tokens.device)
     # 1. accept test for every draft position at once.
     p_x = target_probs[:, :k].gather(2, draft_tokens[:, :, None])[..., 0]  # [B, K]
-    q_x = draft_probs.gather(2, draft_tokens[:, :, None])[..., 0]  # [B, K]
+    q_x = draft_probs.gather(2, draft_tokens[:, :, None])[..., 0] if draft_probs is not None \
+        else torch.ones_like(p_x)  # [B, K]
     positions = first_position[:, None] + cols[None, :]  # [B, K]
     u = _position_uniforms(seed, positions)  # [B, K]
     # u * q < p  <=>  u < p / q, without dividing by a zero q (a q=0 draft never happens
@@ -51,7 +70,13 @@ def verify_chain(
     # 3. the extra token: residual at the first rejection, or p_{k+1} (bonus) if none.
     p_end = target_probs[rows, num_accepted]  # [B, V]
     all_accepted = num_accepted == num_drafts
-    q_end = draft_probs[rows, num_accepted.clamp(max=k - 1)] if k > 0 else torch.zeros_like(p_end)
+    if k == 0:
+        q_end = torch.zeros_like(p_end)
+    elif draft_probs is None:  # one-hot q: only [B, V], at the first rejected draft's token
+        end_token = draft_tokens.gather(1, num_accepted.clamp(max=k - 1)[:, None])
+        q_end = torch.zeros_like(p_end).scatter_(1, end_token, 1.0)
+    else:
+        q_end = draft_probs[rows, num_accepted.clamp(max=k - 1)]
     residual = (p_end - q_end).clamp_min(0)
     mass = residual.sum(-1, keepdim=True)
     # p == q leaves no residual mass; then any rejection had probability 0, so fall back to p.

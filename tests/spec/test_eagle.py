@@ -7,7 +7,7 @@ import torch
 
 from helpers import random_head
 
-from overlap.attention import ReferenceBackend, SeqAttention
+from overlap.attention import SeqAttention
 from overlap.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from overlap.kv import slot_mapping
 from runtime.engine import Engine
@@ -100,7 +100,7 @@ def test_target_and_head_kv_after_tree_steps_equal_a_from_scratch_run(tiny_dirs,
     for _ in range(8):
         eng.step()
     eng.executor.synchronize()
-    proposer, model, backend = eng.executor.proposer, eng.model, ReferenceBackend()
+    proposer, model, backend = eng.executor.proposer, eng.model, eng.executor.backend
     accepted_some = False
     for rid in ids:
         seq = eng.scheduler.by_request[rid]

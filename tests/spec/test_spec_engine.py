@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import dense_forward
-from overlap.attention import ReferenceBackend, SeqAttention
+from overlap.attention import SeqAttention
 from overlap.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from overlap.kv import slot_mapping
 from runtime.engine import Engine
@@ -90,7 +90,7 @@ def test_draft_kv_equals_running_draft_from_scratch(tiny_dirs):
         tokens = seq.tokens
         # Fresh pool, same model: run the draft over the accepted sequence in one prefill.
         fresh = proposer.draft.model.new_kv_pool(64, 4)
-        backend = ReferenceBackend()
+        backend = eng.executor.backend  # the engine's own kernels: KV must match bit for bit
         table = list(range(-(-len(tokens) // 4)))
         meta = backend.plan([SeqAttention(len(tokens), len(tokens), table)], 4)
         proposer.draft.model(torch.tensor(tokens), torch.arange(len(tokens)), backend, fresh, meta)
