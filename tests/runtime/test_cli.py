@@ -68,6 +68,7 @@ def test_generate_streams_text(capsys):
     assert "8 tokens" in err and "tok/s" in err and "finish: length" in err
 
 
+@pytest.mark.slow  # a fresh interpreter loading the shipped model
 def test_generate_subprocess():
     proc = run_cli("generate", "The capital of France is", "--max-tokens", "8")
     assert proc.returncode == 0, proc.stderr
@@ -183,6 +184,7 @@ def test_bench_writes_json_and_is_batch_invariant(prompts_file, tmp_path, capsys
     assert all(ids[1]) and ids[1] == ids[2]  # greedy outputs do not depend on the batch
 
 
+@pytest.mark.slow  # the shipped model through transformers too
 def test_bench_compare_hf_float32(prompts_file, tmp_path, capsys):
     out = tmp_path / "out.json"
     rc = cli.main(["bench", "--prompts", str(prompts_file), "--max-tokens", "16", "--concurrency", "1",

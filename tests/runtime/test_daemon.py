@@ -347,6 +347,7 @@ def process_title(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
 
 
+@pytest.mark.slow  # a daemon of its own, killed or restarted
 def test_sigterm_leaves_no_process_behind(tiny_dirs):
     proc, address = start_serve(tiny_dirs)
     try:
@@ -362,6 +363,7 @@ def test_sigterm_leaves_no_process_behind(tiny_dirs):
         proc.kill()
 
 
+@pytest.mark.slow  # a daemon of its own, killed or restarted
 def test_executor_death_fails_in_flight_requests_and_the_daemon_exits_nonzero(tiny_dirs):
     proc, address = start_serve(tiny_dirs)
     try:
@@ -382,6 +384,7 @@ def test_executor_death_fails_in_flight_requests_and_the_daemon_exits_nonzero(ti
         proc.kill()
 
 
+@pytest.mark.slow  # a daemon of its own, killed or restarted
 def test_restart_policy_keeps_serving_after_the_executor_dies(tiny_dirs):
     proc, address = start_serve(tiny_dirs, "--on-failure", "restart", "--max-restarts", "1")
     try:

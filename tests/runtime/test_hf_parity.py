@@ -28,6 +28,7 @@ def test_logits_match_transformers(engines):
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=2e-4)
 
 
+@pytest.mark.slow  # 64 tokens of the shipped model, ours and transformers'
 @pytest.mark.parametrize("prompt,chat", [(CODE, False), (CHAT, True)])
 def test_greedy_generation_matches_transformers(engines, prompt, chat):
     ours, ref = engines

@@ -178,6 +178,7 @@ def test_k1_schedule_has_no_cuda_sync_between_verify_and_rerun(tiny_dirs, heads)
     eng.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=12, ignore_eos=True))
 
 
+@pytest.mark.slow  # starts the daemon's processes
 def test_greedy_mtp_through_the_daemon(tiny_dirs, heads, greedy_reference):
     from runtime.client import Client
     from runtime.daemon import Daemon

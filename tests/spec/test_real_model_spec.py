@@ -14,6 +14,7 @@ PROMPTS = [
     "The three primary colors are",
 ]
 PARAMS = SamplingParams(max_tokens=40)
+pytestmark = pytest.mark.slow  # the shipped model end to end (the tiny models cover the same paths quickly)
 
 
 @pytest.fixture(scope="module")
