@@ -85,6 +85,7 @@ def test_converted_tokenizer(model_dir):
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.slow  # transformers dequantizes the whole GGUF
 def test_state_dict_matches_transformers_gguf(model_dir, hf_gguf_model):
     ours = load_state_dict(model_dir, torch.float32)
     ref = hf_gguf_model.state_dict()

@@ -120,6 +120,7 @@ def test_tp2_draft_target_equals_tp1(uneven_model, uneven_draft, temperature):
     assert sum(r.stats.get("drafts", 0) for r in results) > 0
 
 
+@pytest.mark.slow  # the daemon's processes and two TP workers
 @pytest.mark.parametrize("method", ["draft", "mtp"])
 def test_tp2_through_the_daemon(uneven_model, uneven_draft, tmp_path, method):
     from overlap.config import EngineConfig, SpecConfig
@@ -153,6 +154,7 @@ def test_tp2_mtp_head_sharded_with_the_target(uneven_model, tmp_path, k):
     assert sum(r.stats.get("drafts", 0) for r in results) > 0
 
 
+@pytest.mark.slow  # the shipped model in two TP workers
 def test_tp2_real_model_greedy_equals_tp1(smol_dir):
     """The shipped SmolLM2 (9 heads, 3 KV heads: shards of 2 and 1) on two prompts, fp32."""
     from runtime.messages import SamplingParams
