@@ -1,5 +1,5 @@
 """Compiled CPU kernels, batch-invariant by construction: the bf16 linear (linear_bf16.cpp
-says why) and paged attention (attention.cpp).
+says why), paged attention (attention.cpp) and the small per-layer ops fused (layer_ops.cpp).
 
 Built once per ISA variant with the machine's C++ compiler through torch's extension
 builder, cached on disk (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions); later
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [str(Path(__file__).with_name(n)) for n in ("bindings.cpp", "linear_bf16.cpp", "attention.cpp")]
+SOURCES = [str(Path(__file__).with_name(n))
+           for n in ("bindings.cpp", "linear_bf16.cpp", "attention.cpp", "layer_ops.cpp")]
 
 # variant id → (name, compiler flags, CPU flags it needs)
 VARIANTS = {
@@ -90,3 +91,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     empty = torch.empty(0, dtype=torch.bool)
     return _library().paged_attention(q, k_cache, v_cache, q_start, q_len, kv_len, page_table,
                                       page_size, empty if tree is None else tree, scale)
+
+
+def fusable(x: torch.Tensor) -> bool:
+    """Whether the fused bf16 layer ops apply: bf16 rows on the CPU, no autograd wanted
+    (the training tools run the same modules with gradients, through eager torch)."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
+            and not (torch.is_grad_enabled() and x.requires_grad))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [T, H] bf16, weight [H] bf16 → weight * bf16(x / rms(x)) [T, H] bf16."""
+    return _library().rms_norm(x, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] bf16 → bf16(silu(gate)) * up [T, I] bf16."""
+    return _library().silu_mul(gate_up)
+
+
+def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_heads: int, head_dim: int) -> None:
+    """Rotate the first rot_heads heads of each qkv row [T, W] bf16 in place; cos/sin [T, D] bf16."""
+    _library().rotary_(qkv, cos, sin, rot_heads, head_dim)

@@ -9,8 +9,15 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               torch::Tensor page_table, int64_t page_size, torch::Tensor tree,
                               double scale);
 
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t rot_heads, int64_t head_dim);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "batch-invariant bf16 linear (linear_bf16.cpp)");
   m.def("variant", &variant, "the ISA variant this build was compiled for");
   m.def("paged_attention", &paged_attention, "batch-invariant paged attention (attention.cpp)");
+  m.def("rms_norm", &rms_norm, "fused bf16 RMSNorm (layer_ops.cpp)");
+  m.def("silu_mul", &silu_mul, "SwiGLU: silu(gate) * up (layer_ops.cpp)");
+  m.def("rotary_", &rotary_, "rotary embedding in place on q and k heads (layer_ops.cpp)");
 }

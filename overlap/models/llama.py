@@ -16,6 +16,7 @@ from torch import nn
 
 from overlap.attention.base import AttentionBackend
 from overlap.config import ModelConfig
+from overlap import kernels
 from overlap.kernels import linear_bf16
 from overlap.kv import KVPool
 from overlap.models.rope import RotaryTable, rotate
@@ -63,7 +64,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same op order as transformers' LlamaRMSNorm (normalise in f32, scale in x's dtype).
+        # Same op order as transformers' LlamaRMSNorm (normalise in f32, scale in x's dtype);
+        # one fused call for bf16 rows on the CPU (overlap/kernels/layer_ops.cpp).
+        if kernels.fusable(x) and self.weight.dtype == torch.bfloat16:
+            return kernels.rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -96,7 +100,12 @@ class DecoderLayer(nn.Module):
         # 1. attention: project, rotate q and k together, store the new K/V in their pages, attend.
         qkv = self.linear(self.input_layernorm(x), self.qkv_proj, self.qkv_bias)
         q_size, kv_size, _ = self.split
-        qk = rotate(qkv[:, : q_size + kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        rot_heads = self.num_heads + self.num_kv_heads
+        if kernels.fusable(qkv):  # one in-place call instead of a cat and four elementwise ops
+            kernels.rotary_(qkv, rope[0].squeeze(1), rope[1].squeeze(1), rot_heads, self.head_dim)
+            qk = qkv[:, : q_size + kv_size].view(t, rot_heads, self.head_dim)
+        else:
+            qk = rotate(qkv[:, : q_size + kv_size].view(t, rot_heads, self.head_dim), *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, self.head_dim)
         kv.write(self.index, meta.slots, k, v)
@@ -104,8 +113,13 @@ class DecoderLayer(nn.Module):
         out = self.linear(attn, self.o_proj)
         x = x + (out if self.reduce is None else self.reduce(out))
         # 2. SwiGLU MLP.
-        gate, up = self.linear(self.post_attention_layernorm(x), self.gate_up_proj).chunk(2, -1)
-        out = self.linear(F.silu(gate) * up, self.down_proj)
+        gate_up = self.linear(self.post_attention_layernorm(x), self.gate_up_proj)
+        if kernels.fusable(gate_up):
+            act = kernels.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, -1)
+            act = F.silu(gate) * up
+        out = self.linear(act, self.down_proj)
         return x + (out if self.reduce is None else self.reduce(out))
 
 

@@ -1,0 +1,47 @@
+"""The fused bf16 layer ops (overlap/kernels/layer_ops.cpp) compute what the eager ops do."""
+
+import torch
+import torch.nn.functional as F
+
+from overlap import kernels
+from overlap.models.rope import rotate
+
+
+def _bf16(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def _ulps(a, b):
+    """Largest distance in bf16 steps between two bf16 tensors of the same sign pattern."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max().item()
+
+
+def test_rotary_in_place_equals_rotate_half_bit_for_bit():
+    t, heads, dim = 7, 5, 64
+    qkv = _bf16(t, heads * dim + 3 * dim, seed=0)
+    cos, sin = _bf16(t, dim, seed=1), _bf16(t, dim, seed=2)
+    want = rotate(qkv[:, : 4 * dim].view(t, 4, dim), cos[:, None], sin[:, None])
+    got = qkv.clone()
+    kernels.rotary_(got, cos, sin, 4, dim)
+    assert torch.equal(got[:, : 4 * dim].view(t, 4, dim), want)
+    assert torch.equal(got[:, 4 * dim:], qkv[:, 4 * dim:])  # the other heads (v) untouched
+
+
+def test_rms_norm_and_silu_mul_match_eager_within_one_ulp():
+    x, w = _bf16(9, 576, seed=3), _bf16(576, seed=4)
+    h = x.float()
+    want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    got = kernels.rms_norm(x, w, 1e-5)
+    assert _ulps(got, want) <= 1 and (got == want).float().mean() > 0.99
+    gate_up = _bf16(9, 2 * 1536, seed=5)
+    gate, up = gate_up.chunk(2, -1)
+    got, want = kernels.silu_mul(gate_up), F.silu(gate) * up
+    assert _ulps(got, want) <= 1 and (got == want).float().mean() > 0.99
+
+
+def test_fused_ops_rows_do_not_depend_on_the_batch():
+    x, w = _bf16(33, 576, seed=6), _bf16(576, seed=7)
+    gate_up = _bf16(33, 256, seed=8)
+    for i in (0, 16, 32):
+        assert torch.equal(kernels.rms_norm(x[i: i + 1], w, 1e-5), kernels.rms_norm(x, w, 1e-5)[i: i + 1])
+        assert torch.equal(kernels.silu_mul(gate_up[i: i + 1]), kernels.silu_mul(gate_up)[i: i + 1])
