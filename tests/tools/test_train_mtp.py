@@ -78,6 +78,7 @@ def run(setup, name, *extra):
     return json.loads(report.read_text()) if report.exists() else None
 
 
+@pytest.mark.slow  # 200 training steps
 def test_short_training_learns_the_targets_next_tokens(setup):
     # From the random start (EAGLE's): a target-layer start already gets most of these right.
     report = run(setup, "trained", "--steps", "200", "--lr", "1e-2")
@@ -100,6 +101,7 @@ def test_short_training_learns_the_targets_next_tokens(setup):
     assert not any("embed_tokens" in k for k in load_file(str(root / "trained" / "model.safetensors")))
 
 
+@pytest.mark.slow  # two training runs, one resumed
 def test_resume_continues_exactly(setup):
     straight = run(setup, "straight", "--steps", "30")
     assert run(setup, "resumed", "--steps", "30", "--stop-after", "20") is None  # interrupted at 20
