@@ -29,7 +29,7 @@ def engine(tiny_dirs, heads, target="target", depth=3, topk=2, tokens=6, page_si
                   progress=False)
 
 
-@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("batch", [1, 4, pytest.param(16, marks=pytest.mark.slow)])  # 16: in the full suite
 @pytest.mark.parametrize("depth,topk,tokens,tree", [(3, 2, 6, "static"), (2, 3, 6, "static"), (3, 2, 6, "dynamic")])
 def test_greedy_eagle_equals_plain(tiny_dirs, heads, greedy_reference, batch, depth, topk, tokens, tree):
     ps = prompts(batch, seed=60 + batch)
@@ -80,7 +80,7 @@ def small_vocab_prompts(n):
     return [[(3 * i + j) % 6 for j in range(4 + i)] for i in range(n)]
 
 
-@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("batch", [1, 4, pytest.param(16, marks=pytest.mark.slow)])  # 16: in the full suite
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
 def test_greedy_eagle_with_long_accepted_paths_equals_plain(tiny_dirs, echo_heads, greedy_reference, batch, tree):
     ps = prompts(batch, seed=80 + batch)

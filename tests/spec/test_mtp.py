@@ -28,7 +28,7 @@ def engine(tiny_dirs, heads, method="mtp", k=1, target="target", page_size=16, n
 
 
 @pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("batch", [1, 4, pytest.param(16, marks=pytest.mark.slow)])  # 16: in the full suite
 def test_greedy_mtp_equals_plain(tiny_dirs, heads, greedy_reference, k, batch):
     ps = prompts(batch, seed=20 + batch)
     eng = engine(tiny_dirs, heads, k=k)

@@ -39,7 +39,7 @@ def prompts(n, seed):
 
 
 @pytest.mark.parametrize("method,draft", [("draft", "draft"), ("draft", "target"), ("ngram", None)])
-@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("batch", [1, 4, pytest.param(16, marks=pytest.mark.slow)])  # 16: in the full suite
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_greedy_speculative_equals_plain(tiny_dirs, greedy_reference, method, draft, batch, page_size):
     ps = prompts(batch, seed=batch)
