@@ -91,6 +91,9 @@ class SpecConfig:
     tree_topk: int = 2  # eagle: children per node at most
     tree_tokens: int = 8  # eagle: nodes verified per step
     tree: str = "static"  # eagle: static (fixed shape) | dynamic (EAGLE-2)
+    # mtp / eagle: the head scores only the N most frequent tokens (0: the full vocabulary);
+    # verification stays over the full vocabulary, so outputs do not change.
+    draft_vocab: int = 0
     ngram_min: int = 1
     ngram_max: int = 3
 

@@ -537,7 +537,8 @@ def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | 
     if spec.method in ("mtp", "eagle"):
         if not spec.head:
             raise ValueError(f"spec method {spec.method!r} needs spec.head (an MTP head directory)")
-        head, backend = load_head(spec.head, model), make_backend(config.attention_backend, config.device)
+        head = load_head(spec.head, model, draft_vocab=spec.draft_vocab)
+        backend = make_backend(config.attention_backend, config.device)
         pages = (config.cache.num_pages, config.cache.page_size)
         if spec.method == "mtp":
             return MTPProposer(head, backend, *pages, scratch_page)

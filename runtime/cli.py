@@ -100,6 +100,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-depth", type=_positive_int, metavar="D", help="--spec eagle: tree levels (default 3)")
     g.add_argument("--tree-topk", type=_positive_int, metavar="K", help="--spec eagle: children per node (default 2)")
     g.add_argument("--tree-tokens", type=_positive_int, metavar="N", help="--spec eagle: tree nodes (default 8)")
+    g.add_argument("--draft-vocab", type=int, metavar="N",
+                   help="--spec mtp/eagle: the head scores only the N most frequent tokens (FR-Spec; e.g. 8192), "
+                        "a cheaper draft step; 0 = the full vocabulary (default). Outputs do not change")
     g.add_argument("--tree", choices=("static", "dynamic"),
                    help="--spec eagle: a fixed tree shape, or EAGLE-2's dynamic one (default: static)")
 
@@ -239,12 +242,16 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
         spec=dataclasses.replace(config.spec, **given(
             method=spec_method, num_spec_tokens=args.num_spec_tokens, draft_model=args.draft_model,
             head=args.head, tree_depth=args.tree_depth, tree_topk=args.tree_topk, tree_tokens=args.tree_tokens,
+            draft_vocab=args.draft_vocab,
             tree=args.tree)),
     )
     if config.spec.method == "eagle" and args.num_spec_tokens is not None:
         raise ValueError("--num-spec-tokens does not apply to --spec eagle: a tree step verifies --tree-tokens "
                          "nodes (shape the tree with --tree-depth, --tree-topk, --tree-tokens); in bench, give "
                          "a chain mode its own K instead (mtp:3)")
+    if config.spec.draft_vocab and (config.spec.draft_vocab < 0 or config.spec.method not in ("mtp", "eagle")):
+        raise ValueError(f"--draft-vocab {config.spec.draft_vocab}: give a positive N, with --spec mtp or eagle "
+                         "(the draft model carries its own trimmed vocabulary)")
     check_device(config.device, config.attention_backend)  # before any model loads
     if config.spec.method == "draft":
         config = dataclasses.replace(config, spec=dataclasses.replace(

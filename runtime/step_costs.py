@@ -74,7 +74,8 @@ def measure(model: LlamaModel, config: EngineConfig = EngineConfig(), context: i
     def target(ids, pos, meta, rows):
         return model(ids, pos, backend, kv, meta, rows)
 
-    report: dict = {"context": context, "repeats": repeats, "machine": machine(), "target": {}, "ratio": {}}
+    report: dict = {"context": context, "repeats": repeats, "machine": machine(), "target": {}, "ratio": {},
+                    "head_vocab": config.spec.draft_vocab or vocab}
     for batch in BATCHES:
         costs = {}
         for rows in ROWS:
@@ -84,7 +85,7 @@ def measure(model: LlamaModel, config: EngineConfig = EngineConfig(), context: i
         report["target"][batch] = costs
         report["ratio"][batch] = {rows: costs[rows] / costs[1] for rows in ROWS}
 
-    head = load_head(head_dir or default_head_dir(), model)
+    head = load_head(head_dir or default_head_dir(), model, draft_vocab=config.spec.draft_vocab)
     head_kv = head.new_kv_pool(_pool_pages(context, page), page)
     hidden = torch.randn(max(BATCHES), model.cfg.hidden_size).to(model.dtype)
 

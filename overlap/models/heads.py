@@ -80,10 +80,20 @@ class MTPHead(nn.Module):
         object.__setattr__(self, "embed_tokens", target.embed_tokens)
         object.__setattr__(self, "lm_head", target.lm_head)
         self.rope = RotaryTable(self.cfg, dtype, device)
+        self.vocab_ids = None  # [N] i64: a trimmed draft vocabulary (trim_vocabulary), or None
 
     @property
     def dtype(self) -> torch.dtype:
         return self.fuse.dtype
+
+    def trim_vocabulary(self, vocab_ids: torch.Tensor) -> None:
+        """Score only these tokens when drafting (FR-Spec): the lm_head read per draft step
+        shrinks from V to N rows, the largest part of a head step. Other tokens get -inf, so
+        the head never drafts them; the target still verifies over the full vocabulary, so
+        the output does not change, only how often drafts are accepted."""
+        self.vocab_ids = vocab_ids.to(torch.long).sort().values.to(self.lm_head.device)
+        # A gathered copy of the shared lm_head's rows: [N, hidden], a few MB.
+        object.__setattr__(self, "lm_rows", self.lm_head[self.vocab_ids].contiguous())
 
     # -- inference ------------------------------------------------------------------------
 
@@ -106,8 +116,14 @@ class MTPHead(nn.Module):
         return hidden, self.compute_logits(hidden[logits_indices])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] → logits [N, vocab] f32 (through the target's lm_head)."""
-        return logits_linear(hidden.to(self.lm_head.dtype), self.lm_head)
+        """hidden [N, hidden] → logits [N, vocab] f32 (through the target's lm_head; -inf
+        outside a trimmed vocabulary)."""
+        hidden = hidden.to(self.lm_head.dtype)
+        if self.vocab_ids is None:
+            return logits_linear(hidden, self.lm_head)
+        full = torch.full((hidden.shape[0], self.cfg.vocab_size), float("-inf"), device=hidden.device)
+        full[:, self.vocab_ids] = logits_linear(hidden, self.lm_rows)
+        return full
 
     def new_kv_pool(self, num_pages: int, page_size: int) -> KVPool:
         c = self.cfg
@@ -212,8 +228,10 @@ def save_head(head: MTPHead, out_dir, extra: dict | None = None) -> Path:
     return out
 
 
-def load_head(head_dir, target: LlamaModel, dtype: torch.dtype | None = None) -> MTPHead:
-    """An inference head for this target (its dtype and device unless dtype is given)."""
+def load_head(head_dir, target: LlamaModel, dtype: torch.dtype | None = None, draft_vocab: int = 0) -> MTPHead:
+    """An inference head for this target (its dtype and device unless dtype is given).
+    draft_vocab N > 0: the head scores only the N most frequent tokens of its training text
+    (token_ranks.safetensors in head_dir, from tools/token_ranks.py)."""
     from safetensors.torch import load_file
 
     head_dir = Path(head_dir)
@@ -231,4 +249,19 @@ def load_head(head_dir, target: LlamaModel, dtype: torch.dtype | None = None) ->
     if missing or unexpected:
         raise ValueError(f"MTP head {head_dir}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     head.requires_grad_(False)
+    if draft_vocab:
+        head.trim_vocabulary(load_token_ranks(head_dir, cfg.vocab_size)[:draft_vocab])
     return head.eval()
+
+
+def load_token_ranks(head_dir, vocab_size: int) -> torch.Tensor:
+    """[V] i64 token ids, most frequent first (tools/token_ranks.py wrote them)."""
+    from safetensors.torch import load_file
+
+    path = Path(head_dir) / "token_ranks.safetensors"
+    if not path.exists():
+        raise ValueError(f"draft_vocab needs {path}: make it with `python tools/token_ranks.py --out {head_dir}`")
+    ranked = load_file(str(path))["ranked_ids"].long()
+    if ranked.numel() != vocab_size:
+        raise ValueError(f"{path} ranks {ranked.numel()} tokens, the target has {vocab_size}")
+    return ranked
