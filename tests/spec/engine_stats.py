@@ -13,7 +13,7 @@ import itertools
 
 import torch
 
-from overlap.attention import ReferenceBackend, SeqAttention
+from overlap.attention import SeqAttention
 from overlap.batch import SeqWork
 from overlap.sampling import SamplingTensors, probabilities
 from runtime.engine import Engine
@@ -24,11 +24,11 @@ PROMPT = [1, 4, 3, 5, 0]
 _LAWS: dict = {}  # (model dir, sampling, length) → exact law, shared by the engine test files
 
 
-def batched_logits(model, seqs: list[list[int]]) -> torch.Tensor:
-    """One prefill over many equal-length sequences (one page each) → logits [B, T, V]."""
+def batched_logits(model, backend, seqs: list[list[int]]) -> torch.Tensor:
+    """One prefill over many equal-length sequences (one page each) → logits [B, T, V], with
+    the engine's own attention backend (the law is the one the engine's target defines)."""
     b, t = len(seqs), len(seqs[0])
     kv = model.new_kv_pool(b + 1, t)
-    backend = ReferenceBackend()
     meta = backend.plan([SeqAttention(t, t, [i + 1]) for i in range(b)], t)
     ids = torch.tensor(seqs).reshape(-1)
     positions = torch.arange(t).repeat(b)
@@ -45,7 +45,7 @@ def exact_law(eng: Engine, params: SamplingParams, length: int) -> torch.Tensor:
     model = eng.model
     vocab = model.cfg.vocab_size
     prefixes = list(itertools.product(range(vocab), repeat=length - 1))
-    logits = batched_logits(model, [PROMPT + list(p) for p in prefixes])[:, -length:]  # [B, L, V]
+    logits = batched_logits(model, eng.executor.backend, [PROMPT + list(p) for p in prefixes])[:, -length:]  # [B, L, V]
     work = SeqWork(0, [0], 0, [0], True, params.temperature, params.top_k, params.top_p, 0)
     st = SamplingTensors.from_seqs([work] * (len(prefixes) * length))
     p = probabilities(logits.reshape(-1, vocab), st).view(len(prefixes), length, vocab).double()
