@@ -8,6 +8,8 @@
     overlap bench --prompts prompts/dev.jsonl --spec none draft --no-overlap
     overlap serve --config configs/smollm2-135m-draft.toml --zmq tcp://127.0.0.1:5557
     overlap generate "def fib(n):" --server tcp://127.0.0.1:5557
+    overlap serve --http 8000 ...          (and an OpenAI-compatible HTTP API on 127.0.0.1:8000/v1)
+    overlap http --server tcp://127.0.0.1:5557 --listen 127.0.0.1:8000
     overlap bench --prompts prompts/dev.jsonl --server tcp://127.0.0.1:5557 --spec none draft --compare-inprocess
     overlap convert [MODEL.gguf] [--out DIR]
 
@@ -191,9 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="plan each step only after the previous one finished on the device")
     srv.add_argument("--ws", metavar="[HOST:]PORT",
                      help="also start the websocket bridge (and its browser page) there (host: 127.0.0.1)")
+    srv.add_argument("--http", metavar="[HOST:]PORT",
+                     help="also start the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                          "/metrics) there (host: 127.0.0.1)")
     srv.add_argument("--token", metavar="SECRET",
-                     help="bearer token the websocket bridge requires (default: $OVERLAP_BRIDGE_TOKEN; "
-                          "unset: no auth; empty: an error)")
+                     help="bearer token the websocket bridge and the HTTP server require (default: "
+                          "$OVERLAP_BRIDGE_TOKEN; unset: no auth; empty: an error)")
     srv.add_argument("--on-failure", choices=("exit", "restart"), default="exit",
                      help="when a server process dies: exit non-zero (default) or restart the processes")
     srv.add_argument("--max-restarts", type=_positive_int, default=3, metavar="N")
@@ -212,6 +217,17 @@ def build_parser() -> argparse.ArgumentParser:
                      help="require this bearer token (default: $OVERLAP_BRIDGE_TOKEN; unset: no auth; "
                           "empty: an error)")
     brg.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+
+    http = sub.add_parser("http", help="OpenAI-compatible HTTP server <-> a running daemon")
+    http.add_argument("--server", required=True, metavar="ADDRESS", help="the daemon's ZeroMQ address")
+    http.add_argument("--listen", default="127.0.0.1:8000", metavar="[HOST:]PORT",
+                      help="where the HTTP server listens (default: 127.0.0.1:8000, loopback only)")
+    http.add_argument("--token", metavar="SECRET",
+                      help="require this bearer token (default: $OVERLAP_BRIDGE_TOKEN; unset: no auth; "
+                           "empty: an error)")
+    http.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                      help="seconds to wait for each reply from the daemon (default: 300)")
+    http.add_argument("--log-level", choices=LOG_LEVELS, default="info")
 
     conv = sub.add_parser("convert", help="convert a GGUF into an HF-style directory (cached)")
     conv.add_argument("gguf", nargs="?", metavar="GGUF", help="default: the shipped model")
@@ -468,17 +484,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.no_overlap:
         config = dataclasses.replace(config, overlap=False)
     ws = args.ws if args.ws is None or ":" in args.ws else f"127.0.0.1:{args.ws}"
+    http = None
+    if args.http:
+        from runtime.http_server import parse_listen as parse_http
+
+        http = "{}:{}".format(*parse_http(args.http))  # a bad value fails here, before any model loads
     token = None
-    if ws:
+    if ws or http:
         from runtime.ws_bridge import parse_listen, resolve_token
 
-        parse_listen(ws)  # a bad value fails here, before any model loads
+        if ws:
+            parse_listen(ws)  # a bad value fails here, before any model loads
         token = resolve_token(args.token)  # so does an empty token
     elif args.token is not None:
-        raise ValueError("--token is for the websocket bridge: give --ws too")
-    # serve() checks every listen address (--zmq, --ws) before it loads anything.
+        raise ValueError("--token is for the websocket bridge and the HTTP server: give --ws or --http too")
+    # serve() checks every listen address (--zmq, --ws, --http) before it loads anything.
     try:
         return serve(config, args.zmq, max_waiting=args.max_waiting, ws_listen=ws, ws_token=token,
+                     http_listen=http, http_token=token,
                      on_failure=args.on_failure, max_restarts=args.max_restarts, log_level=args.log_level,
                      stats_interval_s=args.stats_interval)
     except DaemonError as e:
@@ -502,6 +525,25 @@ def cmd_bridge(args: argparse.Namespace) -> int:
         uvloop.run(run_bridge(args.server, host, port, token))
     except OSError as e:
         raise ConnectionError(f"cannot listen on {args.listen}: {e.strerror or e}") from None
+    return 0
+
+
+def cmd_http(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvloop
+
+    from runtime.http_server import parse_listen, run_http
+    from runtime.ipc import check_listen
+    from runtime.ws_bridge import resolve_token
+
+    host, port = parse_listen(args.listen)
+    token = resolve_token(args.token)
+    check_listen({"--listen": f"{host}:{port}"})
+    with _connect(args.server, args.timeout) as client:
+        _probe(client)  # no daemon there: one line in seconds, not a server that answers 503
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s http %(levelname)s %(message)s")
+    uvloop.run(run_http(args.server, host, port, token, timeout=args.timeout))
     return 0
 
 
@@ -566,7 +608,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "serve": cmd_serve, "bridge": cmd_bridge,
-            "convert": cmd_convert}
+            "http": cmd_http, "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:

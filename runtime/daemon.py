@@ -1,6 +1,6 @@
 """The daemon: starts the tokenizer, scheduler and executor processes (and the websocket
-bridge, if asked), waits until they are ready, serves until SIGINT/SIGTERM, and shuts them
-down without leaving any behind.
+bridge and the OpenAI-compatible HTTP server, if asked), waits until they are ready, serves
+until SIGINT/SIGTERM, and shuts them down without leaving any behind.
 
     with Daemon(EngineConfig(), "tcp://127.0.0.1:*") as d:   # "*": any free port
         print(d.endpoint)                                     # where clients connect
@@ -51,7 +51,7 @@ class Daemon:
     def __init__(self, config: EngineConfig, address: str = DEFAULT_ADDRESS, ready_timeout_s: float = 900.0,
                  max_waiting: int = 1024, ws_listen: str | None = None, ws_token: str | None = None,
                  on_failure: str = "exit", max_restarts: int = 3, log_level: str = "INFO",
-                 stats_interval_s: float = 10.0):
+                 stats_interval_s: float = 10.0, http_listen: str | None = None, http_token: str | None = None):
         if on_failure not in ("exit", "restart"):
             raise ValueError(f"on_failure must be exit or restart, got {on_failure!r}")
         self.config = config
@@ -60,6 +60,8 @@ class Daemon:
         self.max_waiting = max_waiting
         self.ws_listen = ws_listen
         self.ws_token = ws_token
+        self.http_listen = http_listen  # HOST:PORT of the OpenAI-compatible HTTP server (runtime/http_server.py)
+        self.http_token = http_token
         self.on_failure = on_failure
         self.max_restarts = max_restarts
         self.log_level = log_level.upper()
@@ -67,8 +69,10 @@ class Daemon:
         self.restarts = 0
         self.endpoint: str | None = None  # the client endpoint as bound
         self.ws_endpoint: str | None = None
+        self.http_endpoint: str | None = None
         self.procs: dict[str, mp.Process] = {}
         self._bridge: mp.Process | None = None
+        self._http: mp.Process | None = None
         self._spawn = mp.get_context("spawn")  # not fork: a forked torch/zmq process is unsafe
         self._ctx = zmq.Context()
         self._root: str | None = None
@@ -79,7 +83,8 @@ class Daemon:
 
     def listen_addresses(self) -> dict[str, str]:
         """Every address this server listens on, by the flag that sets it."""
-        return {"--zmq": self.address, **({"--ws": self.ws_listen} if self.ws_listen else {})}
+        return {"--zmq": self.address, **({"--ws": self.ws_listen} if self.ws_listen else {}),
+                **({"--http": self.http_listen} if self.http_listen else {})}
 
     def start(self) -> "Daemon":
         # 0. every listen address, before anything loads: a busy port fails in milliseconds
@@ -96,6 +101,9 @@ class Daemon:
             # 3. the websocket bridge, a client of the endpoint just bound
             if self.ws_listen:
                 self._start_bridge()
+            # 4. the HTTP server, likewise
+            if self.http_listen:
+                self._start_http()
         except BaseException:
             self.stop()
             raise
@@ -123,6 +131,16 @@ class Daemon:
         self.procs["bridge"] = self._bridge
         self._wait_ready({"bridge"})
 
+    def _start_http(self) -> None:
+        from runtime.http_server import run_http_process
+
+        self._http = self._spawn.Process(target=run_http_process, name="overlap-http",
+                                         args=(self.endpoint, self.http_listen, self.http_token,
+                                               self._addresses.daemon, self.log_level))
+        self._http.start()
+        self.procs["http"] = self._http
+        self._wait_ready({"http"})
+
     def _wait_ready(self, roles: set[str]) -> None:
         ready: set[str] = set()
         deadline = time.monotonic() + self.ready_timeout_s
@@ -140,6 +158,8 @@ class Daemon:
                     self.endpoint = msg.endpoint
                 if msg.role == "bridge":
                     self.ws_endpoint = msg.endpoint
+                if msg.role == "http":
+                    self.http_endpoint = msg.endpoint
                 log.info("%s ready (pid %d)", msg.role, msg.pid)
             dead = self._dead_child()
             if dead:
@@ -176,7 +196,7 @@ class Daemon:
                 return 1
             self.restarts += 1
             log.warning("restarting the server processes (%d/%d)", self.restarts, self.max_restarts)
-            self._stop_children(keep_bridge=True)
+            self._stop_children(keep_bridge=True)  # and the HTTP server: both are clients
             try:
                 self._start_children(self.endpoint)  # same endpoint: clients reconnect
             except DaemonError as e:
@@ -184,6 +204,8 @@ class Daemon:
                 return 1
             if self._bridge is not None:
                 self.procs["bridge"] = self._bridge
+            if self._http is not None:
+                self.procs["http"] = self._http
         return 0
 
     def _tell_tokenizer(self, reason: str) -> None:
@@ -200,7 +222,7 @@ class Daemon:
 
     def _stop_children(self, keep_bridge: bool = False, timeout_s: float = 10.0) -> None:
         """SIGTERM the children, then SIGKILL what is still there; remove their sockets."""
-        procs = {r: p for r, p in self.procs.items() if not (keep_bridge and r == "bridge")}
+        procs = {r: p for r, p in self.procs.items() if not (keep_bridge and r in ("bridge", "http"))}
         for proc in procs.values():
             if proc.is_alive():
                 proc.terminate()
@@ -244,8 +266,9 @@ def serve(config: EngineConfig, address: str = DEFAULT_ADDRESS, **daemon_options
         signal.signal(sig, lambda *_: daemon.request_stop())
     try:
         daemon.start()
-        log.info("serving %s (spec: %s) on %s%s", config.model or "the shipped model", config.spec.method,
-                 daemon.endpoint, f" and {daemon.ws_endpoint}" if daemon.ws_endpoint else "")
+        log.info("serving %s (spec: %s) on %s%s%s", config.model or "the shipped model", config.spec.method,
+                 daemon.endpoint, f" and {daemon.ws_endpoint}" if daemon.ws_endpoint else "",
+                 f" and {daemon.http_endpoint}" if daemon.http_endpoint else "")
         code = daemon.wait()
     finally:
         log.info("shutting down")
