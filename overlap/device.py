@@ -21,9 +21,10 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -157,18 +158,54 @@ class CudaEvent:
         return self.event.query()
 
     def synchronize(self, timeout: float | None = None) -> None:
+        # cudaEventSynchronize: the host thread blocks on the event itself (no polling loop
+        # that burns a core and adds up to a sleep's latency to every wait). A timeout is
+        # enforced from a watchdog thread: CUDA has no timed event wait, and a hung device
+        # must surface as an error rather than block forever.
         if timeout is None:
             self.event.synchronize()
             return
-        # cudaEventSynchronize has no timeout: poll, so a hung device surfaces as an error.
-        deadline = time.monotonic() + timeout
-        while not self.event.query():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"device work not finished after {timeout} s")
-            time.sleep(50e-6)
+        if self.event.query():
+            return
+        if not _event_waiter.wait(self.event, timeout):
+            raise TimeoutError(f"device work not finished after {timeout} s")
 
     def seconds_since(self, earlier: "CudaEvent") -> float:
         return earlier.event.elapsed_time(self.event) / 1000.0
+
+
+class _EventWaiter:
+    """One long-lived thread that blocks in cudaEventSynchronize for callers that want a
+    timeout: the caller waits on a threading.Event with its timeout, woken by the driver's
+    own completion wait instead of polling query() in a sleep loop."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue | None = None
+        self._lock = threading.Lock()
+
+    def _serve(self) -> None:
+        while True:
+            event, done = self._queue.get()
+            try:
+                event.synchronize()
+            except BaseException:  # the caller's own query/synchronize re-raises it
+                pass
+            done.set()
+
+    def wait(self, event: "torch.cuda.Event", timeout: float) -> bool:
+        with self._lock:
+            if self._queue is None:
+                self._queue = queue.SimpleQueue()
+                threading.Thread(target=self._serve, name="overlap-event-wait", daemon=True).start()
+        done = threading.Event()
+        self._queue.put((event, done))
+        if not done.wait(timeout):
+            return False
+        event.synchronize()  # completed: returns at once, or raises the device's error
+        return True
+
+
+_event_waiter = _EventWaiter()
 
 
 class CudaStream:
@@ -259,3 +296,106 @@ class HostCopy:
     def __init__(self, event: Event | None = None) -> None:
         self.values: list[torch.Tensor] = []
         self.event: Event | None = event
+
+
+# -- step inputs: host data → device tensors -------------------------------------------------
+
+_NP_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.float32: np.float32,
+              torch.bool: np.bool_, torch.uint8: np.uint8}
+# Pinned staging buffers used round-robin, each guarded by the event of its last copy: a
+# buffer is rewritten only once the device has read it (normally long before).
+STAGING_RING = 8
+_ALIGN = 8  # every array starts on an 8-byte boundary, so each slice views as its dtype
+
+_host_io = threading.local()
+
+
+@contextlib.contextmanager
+def host_io():
+    """Marks the documented places where Python data becomes a tensor or a tensor is read
+    back by the host: the staging copy here and the executor's collect point. Tests run the
+    step under a guard that fails on any such conversion outside these
+    (tests/test_sync_guard.py)."""
+    _host_io.depth = getattr(_host_io, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _host_io.depth -= 1
+
+
+def in_host_io() -> bool:
+    return getattr(_host_io, "depth", 0) > 0
+
+
+class HostStaging:
+    """Builds a step's inputs from Python data in ONE pinned host buffer and copies it to the
+    device with one non_blocking copy, queued on the current stream.
+
+    `torch.tensor(list, device="cuda")` copies from pageable memory: a blocking copy that
+    synchronises the stream, so a host preparing step N+1 would wait for step N. Here the
+    host packs every array of a call into a page-locked buffer (8-byte aligned segments),
+    issues one asynchronous copy and returns device views of it. A buffer is reused only
+    after the event recorded behind its last copy has fired. On the CPU there is nothing to
+    copy: each array is a plain CPU tensor, as before."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        self._buffers: list[torch.Tensor | None] = [None] * STAGING_RING
+        self._events: list[object | None] = [None] * STAGING_RING
+        self._next = 0
+        self._lock = threading.Lock()
+        self.copies = 0  # packed copies issued (tests and the sync census read it)
+
+    def upload(self, *arrays: tuple[object, torch.dtype]) -> list[torch.Tensor]:
+        """arrays: (values, dtype) pairs; values a (nested) list or numpy array → one device
+        tensor per pair, same shape."""
+        with host_io():
+            if not self.is_cuda:
+                return [torch.tensor(values, dtype=dtype, device=self.device) for values, dtype in arrays]
+            host = [np.asarray(values, dtype=_NP_DTYPES[dtype]) for values, dtype in arrays]
+            offsets, total = [], 0
+            for a in host:
+                offsets.append(total)
+                total += -(-a.nbytes // _ALIGN) * _ALIGN
+            total = max(total, _ALIGN)
+            with self._lock:
+                slot = self._next
+                self._next = (slot + 1) % STAGING_RING
+                event = self._events[slot]
+                if event is not None:
+                    event.synchronize()  # the guard: the device has read this buffer's last copy
+                buf = self._buffers[slot]
+                if buf is None or buf.numel() < total:
+                    buf = self._buffers[slot] = torch.empty(max(total, 4096), dtype=torch.uint8, pin_memory=True)
+                view = buf.numpy()
+                for a, off in zip(host, offsets):
+                    view[off: off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+                dev = buf[:total].to(self.device, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self._events[slot] = event
+                self.copies += 1
+            return [dev[off: off + a.nbytes].view(dtype).view(a.shape)
+                    for a, off, (_, dtype) in zip(host, offsets, arrays)]
+
+
+_stagings: dict[torch.device, HostStaging] = {}
+_stagings_lock = threading.Lock()
+
+
+def staging(device: torch.device | str) -> HostStaging:
+    """The process's staging for `device` (one per device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _stagings_lock:
+        stage = _stagings.get(device)
+        if stage is None:
+            stage = _stagings[device] = HostStaging(device)
+        return stage
+
+
+def upload(device: torch.device | str, *arrays: tuple[object, torch.dtype]) -> list[torch.Tensor]:
+    """Python data → device tensors through the device's staging (see HostStaging)."""
+    return staging(device).upload(*arrays)
