@@ -39,6 +39,8 @@ the same page ids, so one index serves both).
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +50,8 @@ import torch
 from overlap.attention.base import AttentionBackend, SeqAttention
 from overlap.kv import KVPool
 from overlap.models.llama import LlamaModel
+
+log = logging.getLogger("overlap.graphs")
 
 # Padded batch sizes with a graph each. Dense at the small end, where most decode batches
 # are and padding costs the most relative to the batch; coarser above, where a padded row
@@ -106,7 +110,8 @@ class GraphRunner:
 
     def __init__(self, model: LlamaModel, kv: KVPool, backend: AttentionBackend, q_len: int, *,
                  scratch_page: int, buckets: Sequence[int] = DEFAULT_BUCKETS,
-                 head: Head | None = None, use_graphs: bool | None = None, pool: Any = None):
+                 head: Head | None = None, use_graphs: bool | None = None, pool: Any = None,
+                 name: str = "target"):
         if q_len < 1:
             raise ValueError(f"q_len must be >= 1, got {q_len}")
         if not 0 <= scratch_page < kv.num_pages:
@@ -115,7 +120,7 @@ class GraphRunner:
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets must be distinct positive sizes in ascending order, got {buckets}")
         self.model, self.kv, self.backend, self.q_len = model, kv, backend, q_len
-        self.scratch_page, self.buckets = scratch_page, buckets
+        self.scratch_page, self.buckets, self.name = scratch_page, buckets, name
         self.head = head or model.compute_logits
         self.device = model.embed_tokens.device
         cfg = model.cfg
@@ -129,9 +134,12 @@ class GraphRunner:
             raise ValueError("CUDA graphs need a CUDA device and a backend with graph_attention "
                              f"(flashinfer); got {self.device} and {getattr(backend, 'name', backend)!r}")
         self.use_graphs = capturable if use_graphs is None else bool(use_graphs)
-        self.pool = pool
-        if self.use_graphs and self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+        # Why this runner runs its buckets eagerly (None when it captures), for the start-up log.
+        self.eager_reason = None if self.use_graphs else (
+            "graphs disabled" if use_graphs is False else
+            f"no CUDA device ({self.device})" if self.device.type != "cuda" else
+            f"the {getattr(backend, 'name', type(backend).__name__)} attention backend cannot be captured")
+        self.pool = pool  # a pool handle shared by the caller's runners, else made at first capture
         with torch.inference_mode():
             # [buckets[-1] * q_len] i64: positions 0..q_len-1 of every possible padding row,
             # copied into the tail of a bucket's positions buffer.
@@ -143,13 +151,24 @@ class GraphRunner:
         """Bucket sizes that have a captured graph."""
         return sorted(size for size, b in self._buckets.items() if b.graph is not None)
 
-    def capture_all(self) -> None:
+    def capture_all(self) -> dict:
         """Set up (and on CUDA capture) every bucket now, instead of each on first use. Largest
         first: the smaller captures then reuse the pool memory the larger ones freed.
         Call it at startup: a capture synchronizes the device, and while it runs no other
-        thread may use CUDA (capture mode "global" turns a stray allocation into an error)."""
+        thread may use CUDA (capture mode "global" turns a stray allocation into an error).
+        Logs and returns what was set up: {name, q_len, buckets, captured, seconds, eager}."""
+        t0 = time.perf_counter()
         for size in reversed(self.buckets):
             self._bucket(size)
+        report = {"name": self.name, "q_len": self.q_len, "buckets": list(self.buckets),
+                  "captured": self.captured, "seconds": time.perf_counter() - t0, "eager": self.eager_reason}
+        if self.eager_reason is None:
+            log.info("graphs: %s q_len=%d: captured %d buckets %s in %.2f s", self.name, self.q_len,
+                     len(report["captured"]), report["captured"], report["seconds"])
+        else:
+            log.info("graphs: %s q_len=%d: EAGER, not captured (%s); %d buckets padded eagerly, set up in %.2f s",
+                     self.name, self.q_len, self.eager_reason, len(self.buckets), report["seconds"])
+        return report
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqAttention],
                 logits_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -241,6 +260,8 @@ class GraphRunner:
         # 3. Capture. The output stays referenced by the bucket for its lifetime: a shared
         #    pool hands memory to later captures only once it is freed, so a live output is
         #    never overwritten by another bucket's graph.
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             bucket.hidden = self._body(bucket, meta)
