@@ -19,6 +19,7 @@ else (prefill chunks, mixed batches) samples one token per finishing sequence.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from overlap.attention import make_backend
 from overlap.attention.base import AttentionBackend, SeqAttention
 from overlap.batch import BatchPlan, SeqOutput, SeqWork, StepOutput
 from overlap.config import EngineConfig
-from overlap.device import Device, Event, HostCopy
+from overlap.device import Device, Event, HostCopy, host_io, upload
 from overlap.futures import EventFuture
 from overlap.graphs import GraphRunner
 from overlap.kv import KVPool, slot_mapping
@@ -44,6 +45,9 @@ from overlap.spec.mtp import MTPProposer
 from overlap.spec.ngram import NgramProposer
 from overlap.spec.rejection import verify_chain, verify_greedy
 from overlap.spec.tree import TreeShape, verify_tree
+
+
+log = logging.getLogger("overlap.executor")
 
 
 @dataclass
@@ -61,6 +65,12 @@ class PreparedStep:
     spec_ks: list[int] | None  # drafts per sequence on a speculative step, else None
     proposal: Proposal | None  # made on the host during prepare (host drafters)
     tree: "TreeBatch | None" = None  # EAGLE steps: the trees being verified
+    # Index tensors the launch needs, staged with the inputs (nothing in launch builds a
+    # device tensor from Python data): end_pos [S] (where each sampled sequence's next token
+    # sits), row_starts [B]; speculative steps also flat_draft, padded_draft, padded_all,
+    # num_drafts (see _launch_speculative).
+    index: dict[str, torch.Tensor] = field(default_factory=dict)
+    width: int = 0  # drafts per row of a speculative step's padded [B, K] layout
 
 
 @dataclass
@@ -162,6 +172,59 @@ class Executor:
         self._attn_dims = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, model.dtype)
         self.timing = TimingTotals()
         self._previous: InFlightStep | None = None  # the last finished step, for the timing
+        # One CUDA-graph memory pool for every runner (target q_lens, the draft's steps).
+        self.graph_pool = None
+        self.graph_report: list[dict] = []  # what setup_graphs set up, for logs and checks
+        self.settle()
+
+    def settle(self) -> None:
+        """Wait once for the default stream's set-up work (KV pools, the FlashInfer workspace,
+        dummy positions, weights) before the forward stream, which is not ordered against
+        the default stream, may read it. CUDA only; call after building or swapping parts."""
+        if self.streams.is_cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _runner(self, q_len: int, lazily: bool = True) -> GraphRunner:
+        runner = self.graphs.get(q_len)
+        if runner is None:
+            # A q_len first seen while serving (drafts cut short near max_tokens) is never
+            # captured then: a capture synchronizes the device mid-serving. It runs padded,
+            # eagerly; start-up captures the q_lens a configuration runs (graph_q_lens).
+            runner = self.graphs[q_len] = GraphRunner(self.model, self.kv, self.backend, q_len,
+                                                      scratch_page=self.scratch_page, pool=self.graph_pool,
+                                                      use_graphs=False if lazily else None)
+            if lazily:
+                log.info("graphs: target q_len=%d was not captured at start-up: it runs eagerly (padded)", q_len)
+        return runner
+
+    def setup_graphs(self, q_lens: list[int], require: bool = False) -> list[dict]:
+        """At start-up: every bucket of every runner (the target's for each q_len, the draft
+        model's single-token steps), captured on CUDA into one shared pool, with a log line
+        per runner (what, how many buckets, how long). require: raise when they cannot be
+        captured (graphs = "on" on CUDA) instead of saying they run eagerly."""
+        if self.scratch_page is None:
+            return []
+        runners = [self._runner(q, lazily=False) for q in sorted(set(q_lens))]
+        draft_runner = getattr(self.proposer, "step_runner", None)
+        if draft_runner is not None:
+            runners.append(draft_runner)
+        if require and self.streams.is_cuda:
+            eager = [f"{r.name} q_len={r.q_len}: {r.eager_reason}" for r in runners if r.eager_reason]
+            if eager:
+                raise RuntimeError("graphs = on, but CUDA graphs cannot be captured: " + "; ".join(eager))
+        if any(r.use_graphs for r in runners) and self.graph_pool is None:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        for r in runners:
+            if r.use_graphs and not r.captured:
+                r.pool = self.graph_pool  # one pool for all of them
+        t0 = time.perf_counter()
+        self.graph_report = [r.capture_all() for r in runners]
+        total = time.perf_counter() - t0
+        captured = sum(len(r["captured"]) for r in self.graph_report)
+        log.info("graphs: start-up set-up of %d runners done in %.2f s (%d CUDA graphs captured%s)",
+                 len(runners), total, captured, "" if captured else "; every bucket runs eagerly")
+        self.settle()
+        return self.graph_report
 
     def execute(self, plan: BatchPlan) -> StepOutput:
         """Run one step to its output (the drafter's catch-up may still be running)."""
@@ -237,7 +300,9 @@ class Executor:
             self._on_drafter_stream(lambda: self.proposer.release(plan.freed_seq_ids))
         sampled = [s for s in plan.seqs if s.sample]
         dev = self.device
-        sampling = SamplingTensors.from_seqs(sampled, dev) if sampled else None
+        # Sampling parameters go in this step's one staged copy (below); host drafters that
+        # propose now get them staged on their own.
+        sampling = None
         spec = self.proposer is not None and plan.is_decode_only and any(s.num_spec_tokens for s in plan.seqs)
         ks = [s.num_spec_tokens for s in plan.seqs] if spec else [0] * len(plan.seqs)
         proposal = None
@@ -257,6 +322,7 @@ class Executor:
         if spec and self.proposer.on_host:  # on_host proposers fill Proposal.host_tokens
             # Host drafters (n-gram) propose now, so the verify pass is sized to the drafts
             # they actually found, and a step where none are found is a plain decode.
+            sampling = SamplingTensors.from_seqs(sampled, dev) if sampled else None
             proposal = self.proposer.propose(plan.seqs, ks, sampling)
             ks = proposal.num_drafts
             spec = any(ks)
@@ -290,33 +356,65 @@ class Executor:
         q_lens = {a.q_len for a in attn}
         uniform = q_lens.pop() if len(q_lens) == 1 and plan.is_decode_only and tree is None else None
         graphed = self.scratch_page is not None and uniform is not None
+        # Everything the device reads this step, staged in ONE pinned buffer and copied
+        # without blocking (on the forward stream: submit prepares under `issuing()`).
+        arrays: dict[str, tuple[object, torch.dtype]] = {
+            "ids": (ids, torch.long), "positions": (positions, torch.long), "logits_rows": (rows, torch.long),
+            "end_pos": ([s.end_pos for s in sampled], torch.long), "row_starts": (row_starts, torch.long)}
+        width = 0
+        if spec and tree is None:
+            width = proposal.tokens.shape[1] if proposal is not None else max(ks)
+            flat_draft, padded_all, padded_draft = [], [], []
+            row = 0
+            for i, k in enumerate(ks):  # where each verify row goes in the padded [B, K+1] layout
+                flat_draft += range(row + 1, row + 1 + k)
+                padded_draft += range(i * width, i * width + k)
+                padded_all += range(i * (width + 1), i * (width + 1) + k + 1)
+                row += k + 1
+            arrays.update(flat_draft=(flat_draft, torch.long), padded_draft=(padded_draft, torch.long),
+                          padded_all=(padded_all, torch.long), num_drafts=(list(ks), torch.long))
+        if tree is not None:
+            arrays["tree_slots"] = (tree_slots, torch.long)
+            if dynamic:
+                for key in ("parents", "order", "tokens"):
+                    arrays["tree_" + key] = ([getattr(t, key) for t in dynamic], torch.long)
+            else:
+                arrays["tree_parents"] = (tree.parents(), torch.long)
+                arrays["tree_order"] = (tree.sibling_order(), torch.long)
+        names = list(arrays)
+        host_sampling = SamplingTensors.host_arrays(sampled) if sampled and sampling is None else []
+        staged = upload(dev, *arrays.values(), *host_sampling)
+        index = dict(zip(names, staged))
+        if host_sampling:
+            sampling = SamplingTensors.from_staged(sampled, staged[len(names):])
         return PreparedStep(
             plan=plan,
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            input_ids=index.pop("ids"),
+            positions=index.pop("positions"),
             # A graphed step is planned by its runner, into the bucket's static buffers.
             meta=None if graphed else self.backend.plan(attn, self.kv.page_size, *self._attn_dims),
             attn=attn,
             row_starts=row_starts,
             q_len=uniform if graphed else None,
-            logits_rows=torch.tensor(rows, dtype=torch.long, device=dev),
+            logits_rows=index.pop("logits_rows"),
             sampled=sampled,
             sampling=sampling,
             spec_ks=ks if spec else None,
-            tree=self._tree_batch(plan, tree_slots, dynamic) if tree is not None else None,
+            tree=self._tree_batch(plan, index, dynamic) if tree is not None else None,
             proposal=proposal if spec else None,
+            index=index,
+            width=width,
         )
 
-    def _tree_batch(self, plan: BatchPlan, slots: list[list[int]], dynamic) -> TreeBatch:
-        dev, b = self.device, len(plan.seqs)
+    def _tree_batch(self, plan: BatchPlan, index: dict[str, torch.Tensor], dynamic) -> TreeBatch:
+        b = len(plan.seqs)
         if dynamic:
-            rows = lambda key: torch.tensor([getattr(t, key) for t in dynamic], dtype=torch.long, device=dev)  # noqa: E731
-            return TreeBatch(torch.tensor(slots, dtype=torch.long, device=dev), rows("parents"), rows("order"),
-                             self.proposer.depth, self.proposer.topk, rows("tokens"))
+            return TreeBatch(index.pop("tree_slots"), index.pop("tree_parents"), index.pop("tree_order"),
+                             self.proposer.depth, self.proposer.topk, index.pop("tree_tokens"))
         shape = self.proposer.tree
-        fixed = lambda values: torch.tensor(values, dtype=torch.long, device=dev).expand(b, len(values))  # noqa: E731
-        return TreeBatch(torch.tensor(slots, dtype=torch.long, device=dev), fixed(shape.parents()),
-                         fixed(shape.sibling_order()), shape.depth, shape.max_children(), None)
+        parents, order = index.pop("tree_parents"), index.pop("tree_order")
+        return TreeBatch(index.pop("tree_slots"), parents.expand(b, parents.shape[0]), order.expand(b, order.shape[0]),
+                         shape.depth, shape.max_children(), None)
 
     def _on_drafter_stream(self, fn) -> None:
         # A model drafter's state (KV, carried logits) is only touched by work on the forward
@@ -354,8 +452,7 @@ class Executor:
         if step.sampling is None:
             launched = LaunchedStep(step, torch.empty(0, 1, dtype=torch.long, device=self.device), None, [], keep)
         else:
-            positions = torch.tensor([s.end_pos for s in step.sampled], dtype=torch.long, device=self.device)
-            launched = LaunchedStep(step, sample(logits, step.sampling, positions)[:, None], None, [], keep)
+            launched = LaunchedStep(step, sample(logits, step.sampling, step.index["end_pos"])[:, None], None, [], keep)
         self._publish(into, launched, copy)
 
     def _launch_tree(self, step: PreparedStep, into: LaunchedStep, copy: HostCopy | None) -> None:
@@ -366,15 +463,14 @@ class Executor:
         # Stage 2: the tree's tokens, into rows 1..N of each sequence's [x_n, nodes] block
         # (a dynamic tree's are already there: it was built while preparing).
         nodes = tb.nodes if tb.nodes is not None else proposer.propose_tree(seqs)  # [B, N]
-        starts = torch.tensor(step.row_starts, dtype=torch.long, device=dev)
+        starts = step.index["row_starts"]
         node_rows = (starts[:, None] + torch.arange(1, n + 1, device=dev)[None, :]).reshape(-1)
         ids = step.input_ids.clone()
         ids[node_rows] = nodes.reshape(-1)
         # Stage 3: one target pass over every node; p after the root and after each node.
         hidden, logits = self._target_forward(step, ids)  # logits [B*(N+1), V]
-        rows_st = SamplingTensors.from_seqs(seqs, dev, repeats=[n + 1] * b)
-        p = probabilities(logits, rows_st).view(b, n + 1, -1)
-        first = torch.tensor([s.end_pos for s in seqs], dtype=torch.long, device=dev)
+        p = probabilities(logits, st.repeat_rows(n + 1)).view(b, n + 1, -1)
+        first = step.index["end_pos"]
         tokens, accepted, path = verify_tree(p, nodes, tb.parents, tb.order, depth, tb.width, st.seed, first)
         # Compaction: the node at depth i of the accepted path moves to slot n + i.
         slots = tb.slots  # [B, N+1]
@@ -393,25 +489,18 @@ class Executor:
         b, dev = len(seqs), self.device
         # Stage 2: draft (host drafters already did, in prepare).
         proposal = step.proposal or self.proposer.propose(seqs, ks, st)
-        width = proposal.tokens.shape[1]
-        # Where each row of the flat verify batch goes in the padded [B, K+1] layout.
-        flat_draft, padded_all, padded_draft = [], [], []
-        row = 0
-        for i, k in enumerate(ks):
-            flat_draft += range(row + 1, row + 1 + k)
-            padded_draft += range(i * width, i * width + k)
-            padded_all += range(i * (width + 1), i * (width + 1) + k + 1)
-            row += k + 1
+        width, index = proposal.tokens.shape[1], step.index
+        if width != step.width:
+            raise RuntimeError(f"the drafter proposed {width} drafts per row; the step was prepared for {step.width}")
         ids = step.input_ids
         if step.proposal is None:
             ids = ids.clone()
-            ids[torch.tensor(flat_draft, dtype=torch.long, device=dev)] = \
-                proposal.tokens.view(-1)[torch.tensor(padded_draft, dtype=torch.long, device=dev)]
+            ids[index["flat_draft"]] = proposal.tokens.view(-1)[index["padded_draft"]]
         # Stage 3: verify all drafts in one target pass (q_len = k+1 per sequence).
         hidden, logits = self._target_forward(step, ids)
-        padded_rows = torch.tensor(padded_all, dtype=torch.long, device=dev)
+        padded_rows = index["padded_all"]
         # Drafters may find fewer drafts than reserved (n-gram); verify what they proposed.
-        num_drafts = torch.tensor(proposal.num_drafts, dtype=torch.long, device=dev)
+        num_drafts = index["num_drafts"]
         # Stage 4 (recovered / bonus token) happens inside verification.
         if st.all_greedy:  # argmax compare: no [B, K+1, V] probabilities
             best = torch.zeros(b * (width + 1), dtype=torch.long, device=dev)
@@ -420,10 +509,9 @@ class Executor:
         else:
             padded = torch.zeros(b * (width + 1), logits.shape[-1], device=dev)
             padded[padded_rows] = logits
-            rows_st = SamplingTensors.from_seqs(seqs, dev, repeats=[width + 1] * b)
-            p = probabilities(padded, rows_st).view(b, width + 1, -1)
-            first = torch.tensor([s.end_pos for s in seqs], dtype=torch.long, device=dev)
-            tokens, accepted = verify_chain(p, proposal.probs, proposal.tokens, num_drafts, st.seed, first)
+            p = probabilities(padded, st.repeat_rows(width + 1)).view(b, width + 1, -1)
+            tokens, accepted = verify_chain(p, proposal.probs, proposal.tokens, num_drafts, st.seed,
+                                            index["end_pos"])
         launched = LaunchedStep(step, tokens, accepted, proposal.num_drafts,
                                 hidden if self._reads_hidden else None)
         # Decided before the ids are published: the host's catch-up must know to skip it.
@@ -446,11 +534,7 @@ class Executor:
         graph if the step was planned for one."""
         if step.q_len is None:
             return self.model(ids, step.positions, self.backend, self.kv, step.meta, step.logits_rows)
-        runner = self.graphs.get(step.q_len)
-        if runner is None:
-            runner = self.graphs[step.q_len] = GraphRunner(self.model, self.kv, self.backend, step.q_len,
-                                                           scratch_page=self.scratch_page)
-        return runner.forward(ids, step.positions, step.attn, step.logits_rows)
+        return self._runner(step.q_len).forward(ids, step.positions, step.attn, step.logits_rows)
 
     # 3. the sync point
     def collect(self, launched: LaunchedStep, host: list[torch.Tensor] | None = None) -> StepOutput:
@@ -458,8 +542,9 @@ class Executor:
         # `host` holds the copies made on the copy stream (pinned memory on CUDA), already
         # complete when the step's future resolves, so tolist() does not wait here.
         host = host if host is not None else list(launched.device_results())
-        tokens = host[0].tolist()
-        accepted = host[1].tolist() if launched.num_accepted is not None else None
+        with host_io():  # the documented device→host read
+            tokens = host[0].tolist()
+            accepted = host[1].tolist() if launched.num_accepted is not None else None
         outputs: dict[int, SeqOutput] = {}
         for i, s in enumerate(launched.prepared.sampled):
             if accepted is None:
@@ -518,8 +603,21 @@ def build_executor(config: EngineConfig, model: LlamaModel) -> Executor:
     scratch = num_pages if config.use_graphs else None
     kv = model.new_kv_pool(num_pages + (scratch is not None), config.cache.page_size)
     backend = make_backend(config.attention_backend, config.device)
-    return Executor(model, kv, backend, build_proposer(config, model, scratch), overlap=config.overlap,
-                    scratch_page=scratch)
+    executor = Executor(model, kv, backend, build_proposer(config, model, scratch), overlap=config.overlap,
+                        scratch_page=scratch)
+    if scratch is not None:
+        executor.setup_graphs(graph_q_lens(config), require=config.graphs == "on")
+    return executor
+
+
+def graph_q_lens(config: EngineConfig) -> list[int]:
+    """The uniform q_lens this configuration's steps run with: 1 (decode) and 2..k+1 (the
+    verify pass of a chain of k drafts, or fewer: the scheduler cuts drafts short near
+    max_tokens and the context end, and n-gram finds fewer). Tree verify passes carry a
+    mask and are not graphed."""
+    spec = config.spec
+    k = spec.num_spec_tokens if spec.method in ("draft", "ngram", "mtp") else 0
+    return list(range(1, (k or 0) + 2))
 
 
 def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | None = None) -> Proposer | None:

@@ -56,28 +56,52 @@ class SamplingTensors:
     any_top_k: bool
     any_top_p: bool
 
+    @staticmethod
+    def host_arrays(seqs: list[SeqWork]) -> list[tuple[list, torch.dtype]]:
+        """The parameters as (values, dtype) pairs, to stage with a step's other inputs."""
+        return [([s.temperature for s in seqs], torch.float32), ([s.top_k for s in seqs], torch.long),
+                ([s.top_p for s in seqs], torch.float32), ([s.seed for s in seqs], torch.long)]
+
+    @classmethod
+    def from_staged(cls, seqs: list[SeqWork], tensors: list[torch.Tensor]) -> "SamplingTensors":
+        """From the device tensors of `host_arrays(seqs)` (in that order) and the host flags."""
+        temperature, top_k, top_p, seed = tensors
+        return cls(temperature, top_k, top_p, seed,
+                   all_greedy=all(s.temperature == 0 for s in seqs),
+                   any_greedy=any(s.temperature == 0 for s in seqs),
+                   any_top_k=any(s.top_k > 0 for s in seqs),
+                   any_top_p=any(s.top_p < 1.0 for s in seqs))
+
     @classmethod
     def from_seqs(cls, seqs: list[SeqWork], device: torch.device | str = "cpu",
                   repeats: list[int] | None = None) -> "SamplingTensors":
-        """One row per sequence, or `repeats[i]` rows for sequence i (spec verify rows)."""
+        """One row per sequence, or `repeats[i]` rows for sequence i. Staged in pinned memory
+        and copied without blocking on CUDA (overlap.device.upload)."""
+        from overlap.device import upload
+
         reps = repeats or [1] * len(seqs)
         rows = [s for s, r in zip(seqs, reps) for _ in range(r)]
-        return cls(
-            temperature=torch.tensor([s.temperature for s in rows], dtype=torch.float32, device=device),
-            top_k=torch.tensor([s.top_k for s in rows], dtype=torch.long, device=device),
-            top_p=torch.tensor([s.top_p for s in rows], dtype=torch.float32, device=device),
-            seed=torch.tensor([s.seed for s in rows], dtype=torch.long, device=device),
-            all_greedy=all(s.temperature == 0 for s in rows),
-            any_greedy=any(s.temperature == 0 for s in rows),
-            any_top_k=any(s.top_k > 0 for s in rows),
-            any_top_p=any(s.top_p < 1.0 for s in rows),
-        )
+        return cls.from_staged(rows, upload(device, *cls.host_arrays(rows)))
 
-    def select(self, rows: list[int]) -> "SamplingTensors":
-        """The parameters of these rows only (the host flags are kept: they stay valid)."""
+    def repeat_rows(self, n: int) -> "SamplingTensors":
+        """Every row n times in a row (verify rows: k+1 per sequence), built on the device."""
+        if n == 1:
+            return self
+        return SamplingTensors(*(t.repeat_interleave(n) for t in (self.temperature, self.top_k, self.top_p,
+                                                                  self.seed)),
+                               self.all_greedy, self.any_greedy, self.any_top_k, self.any_top_p)
+
+    def select(self, rows: list[int] | torch.Tensor) -> "SamplingTensors":
+        """The parameters of these rows only (the host flags are kept: they stay valid).
+        rows: host indices, or a device index tensor (what the drafters pass on the hot path)."""
         if len(rows) == self.seed.shape[0]:
             return self
-        idx = torch.tensor(rows, device=self.seed.device)
+        if isinstance(rows, torch.Tensor):
+            idx = rows
+        else:
+            from overlap.device import upload
+
+            idx = upload(self.seed.device, (rows, torch.long))[0]
         return SamplingTensors(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.seed[idx],
                                self.all_greedy, self.any_greedy, self.any_top_k, self.any_top_p)
 

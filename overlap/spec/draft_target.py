@@ -18,6 +18,7 @@ import torch
 
 from overlap.attention.base import AttentionBackend, SeqAttention
 from overlap.batch import SeqWork
+from overlap.device import upload
 from overlap.graphs import GraphRunner
 from overlap.models.llama import LlamaModel, logits_linear
 from overlap.sampling import SamplingTensors, draw_draft
@@ -59,7 +60,7 @@ class DraftTargetProposer:
         # The k-1 single-token draft steps of a proposal: padded to a bucket and replayed as a
         # CUDA graph when a scratch page is given (see overlap/graphs.py).
         self.step_runner = None if scratch_page is None else GraphRunner(
-            draft.model, self.kv, backend, 1, scratch_page=scratch_page, head=draft.logits)
+            draft.model, self.kv, backend, 1, scratch_page=scratch_page, head=draft.logits, name="draft")
         cfg = draft.model.cfg
         self._attn_dims = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, draft.model.dtype)
         self.carried: dict[int, torch.Tensor] = {}  # seq_id → [V] f32 logits for the next position
@@ -68,15 +69,15 @@ class DraftTargetProposer:
                  last_rows: list[int]) -> torch.Tensor:
         """ids [T] i64 → draft logits [len(last_rows), V] f32 at the given rows."""
         meta = self.backend.plan(attn, self.page_size, *self._attn_dims)
-        pos = torch.tensor(positions, dtype=torch.long, device=ids.device)
+        pos, rows = upload(ids.device, (positions, torch.long), (last_rows, torch.long))
         hidden, _ = self.draft.model(ids, pos, self.backend, self.kv, meta)
-        return self.draft.logits(hidden[torch.tensor(last_rows, device=ids.device)])
+        return self.draft.logits(hidden[rows])
 
     def _step(self, ids: torch.Tensor, positions: list[int], attn: list[SeqAttention]) -> torch.Tensor:
         """One draft token per sequence: ids [B] i64 → logits [B, V] f32."""
         if self.step_runner is None:
             return self._forward(ids, positions, attn, list(range(len(attn))))
-        pos = torch.tensor(positions, dtype=torch.long, device=ids.device)
+        pos, = upload(ids.device, (positions, torch.long))
         rows = torch.arange(len(attn), device=ids.device)
         return self.step_runner.forward(ids, pos, attn, rows)[1]
 
@@ -87,22 +88,26 @@ class DraftTargetProposer:
         # q for sampled drafts; greedy drafts are one-hot at their tokens: None, no [B, K, V].
         probs = None if sampling.all_greedy else torch.zeros(b, width, self.draft.vocab_size, device=device)
         # Draft i sits at position end_pos + i (end_pos: where the target's next token goes).
-        first = torch.tensor([s.end_pos for s in seqs], dtype=torch.long, device=device)
         rows = [r for r in range(b) if ks[r] > 0]  # sequences with speculation off propose nothing
+        # Index tensors staged in pinned memory (no blocking copy of Python lists on CUDA).
+        first, rows_t = upload(device, ([seqs[r].end_pos for r in rows], torch.long), (rows, torch.long))
         logits = torch.stack([self.carried[seqs[r].seq_id] for r in rows])  # [rows, V] f32
         for i in range(width):
             # 1. sample draft i of every row that still drafts, from q_i.
-            d, q = draw_draft(logits, sampling.select(rows), first[rows] + i)
-            tokens[rows, i] = d
+            d, q = draw_draft(logits, sampling.select(rows_t), first + i)
+            tokens[rows_t, i] = d
             if probs is not None:
-                probs[rows, i] = q
+                probs[rows_t, i] = q
             # 2. run the draft on it to get q_{i+1}, for rows that need another draft.
             keep = [j for j, r in enumerate(rows) if ks[r] > i + 1]  # positions within rows
             if not keep:
                 break
             rows_next = [rows[j] for j in keep]
             attn = [SeqAttention(1, seqs[r].end_pos + i + 1, seqs[r].page_table) for r in rows_next]
-            logits = self._step(d[keep], [seqs[r].end_pos + i for r in rows_next], attn)
+            if len(keep) < len(rows):
+                keep_t, rows_t = upload(device, (keep, torch.long), (rows_next, torch.long))
+                d, first = d[keep_t], first[keep_t]
+            logits = self._step(d, [seqs[r].end_pos + i for r in rows_next], attn)
             rows = rows_next
         return Proposal(tokens, probs, list(ks))
 
@@ -116,7 +121,7 @@ class DraftTargetProposer:
             attn.append(SeqAttention(len(u.new_tokens), u.start_pos + len(u.new_tokens), u.page_table))
             last.append(len(ids) - 1)
         device = self.draft.model.embed_tokens.device
-        logits = self._forward(torch.tensor(ids, dtype=torch.long, device=device), positions, attn, last)
+        logits = self._forward(upload(device, (ids, torch.long))[0], positions, attn, last)
         for u, row in zip(updates, logits):
             self.carried[u.seq_id] = row
 

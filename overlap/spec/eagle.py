@@ -26,6 +26,7 @@ import torch
 
 from overlap.attention.base import AttentionBackend, SeqAttention, tree_mask_from_parents
 from overlap.batch import SeqWork
+from overlap.device import upload
 from overlap.models.heads import MTPHead
 from overlap.sampling import SamplingTensors
 from overlap.spec.mtp import MTPProposer
@@ -81,7 +82,7 @@ class EagleProposer(MTPProposer):
             if not rows:
                 break
             q = len(rows)
-            ids = tokens[:, rows].reshape(-1)  # [B*q]
+            ids = tokens[:, upload(device, (rows, torch.long))[0]].reshape(-1)  # [B*q]
             hidden = torch.stack([node_hidden[self.node_parents[r - 1]] for r in rows], dim=1).reshape(b * q, -1)
             positions, attn = [], []
             for s in seqs:
@@ -167,7 +168,7 @@ class DynamicEagleProposer(EagleProposer):
                 attn.append(SeqAttention(q, s.start_pos + q, s.page_table, tree_mask=tree_mask_from_parents(parents)))
                 last += range(len(ids) - q, len(ids))
             device = hidden0.device
-            out_logits, out_h = self._run(torch.tensor(ids, device=device), torch.stack(hid), positions, attn, last)
+            out_logits, out_h = self._run(upload(device, (ids, torch.long))[0], torch.stack(hid), positions, attn, last)
             logp, tok = torch.topk(torch.log_softmax(out_logits, -1), k)
             logp, tok = logp.tolist(), tok.tolist()  # this level's documented sync (see the class doc)
             # 2. children of this level's frontier; the next frontier = the best k of them

@@ -32,6 +32,7 @@ import torch
 
 from overlap.attention.base import AttentionBackend, SeqAttention
 from overlap.batch import SeqWork
+from overlap.device import upload
 from overlap.models.heads import MTPHead
 from overlap.sampling import SamplingTensors, draw_draft
 from overlap.spec.base import CatchUp, Proposal
@@ -59,9 +60,7 @@ class MTPProposer:
              last_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [T] i64, hidden [T, H] → (logits [R, V] f32, head hidden [R, H]) at last_rows."""
         meta = self.backend.plan(attn, self.page_size, *self._attn_dims)
-        dev = ids.device
-        pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        rows = torch.tensor(last_rows, dtype=torch.long, device=dev)
+        pos, rows = upload(ids.device, (positions, torch.long), (last_rows, torch.long))
         g, logits = self.head(ids, hidden, pos, self.backend, self.kv, meta, rows)
         return logits, g[rows]
 
@@ -72,18 +71,19 @@ class MTPProposer:
         device = sampling.seed.device
         tokens = torch.zeros(b, width, dtype=torch.long, device=device)
         # Draft i is for position end_pos + i; the head row that predicts it is end_pos - 1 + i.
-        first = torch.tensor([s.end_pos for s in seqs], dtype=torch.long, device=device)
         rows = [r for r in range(b) if ks[r] > 0]
+        # Index tensors staged in pinned memory (no blocking copy of Python lists on CUDA).
+        first, rows_t = upload(device, ([seqs[r].end_pos for r in rows], torch.long), (rows, torch.long))
         logits = torch.stack([self.carried[seqs[r].seq_id][0] for r in rows])  # [rows, V] f32
         # q for sampled drafts ([B, K, V], V: the full vocabulary); greedy drafts are one-hot: None.
         probs = None if sampling.all_greedy else torch.zeros(b, width, logits.shape[-1], device=device)
         hidden = torch.stack([self.carried[seqs[r].seq_id][1] for r in rows])  # [rows, H]
         for i in range(width):
             # 1. sample draft i of every row that still drafts, from q_i
-            d, q = draw_draft(logits, sampling.select(rows), first[rows] + i)
-            tokens[rows, i] = d
+            d, q = draw_draft(logits, sampling.select(rows_t), first + i)
+            tokens[rows_t, i] = d
             if probs is not None:
-                probs[rows, i] = q
+                probs[rows_t, i] = q
             # 2. the head on (draft i, its own hidden) for q_{i+1}, where another draft is wanted
             keep = [j for j, r in enumerate(rows) if ks[r] > i + 1]
             if not keep:
@@ -91,8 +91,10 @@ class MTPProposer:
             rows_next = [rows[j] for j in keep]
             positions = [seqs[r].end_pos - 1 + i for r in rows_next]  # the row whose token is draft i
             attn = [SeqAttention(1, p + 1, seqs[r].page_table) for p, r in zip(positions, rows_next)]
-            keep_t = torch.tensor(keep, dtype=torch.long, device=device)
-            logits, hidden = self._run(d[keep_t], hidden[keep_t], positions, attn, list(range(len(keep))))
+            if len(keep) < len(rows):
+                keep_t, rows_t = upload(device, (keep, torch.long), (rows_next, torch.long))
+                d, hidden, first = d[keep_t], hidden[keep_t], first[keep_t]
+            logits, hidden = self._run(d, hidden, positions, attn, list(range(len(keep))))
             rows = rows_next
         return Proposal(tokens, probs, list(ks))
 
@@ -132,7 +134,7 @@ class MTPProposer:
         if not ids:
             return
         device = hidden[0].device
-        logits, g = self._run(torch.tensor(ids, dtype=torch.long, device=device), torch.cat(hidden), positions,
+        logits, g = self._run(upload(device, (ids, torch.long))[0], torch.cat(hidden), positions,
                               attn, last)
         for i, seq_id in enumerate(carried_ids):
             self.carried[seq_id] = (logits[i], g[i])

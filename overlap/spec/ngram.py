@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from overlap.device import upload
+
 from overlap.batch import SeqWork
 from overlap.sampling import SamplingTensors
 from overlap.spec.base import CatchUp, Proposal
@@ -43,7 +45,8 @@ class NgramProposer:
         found = [lookup(self.history.get(s.seq_id, []), k, self.n_min, self.n_max) if k else []
                  for s, k in zip(seqs, ks)]
         rows = [f + [0] * (width - len(f)) for f in found]
-        tokens = torch.tensor(rows, dtype=torch.long, device=self.device).view(len(seqs), width)
+        # Staged in pinned memory and copied without blocking on CUDA (one copy per step).
+        tokens = upload(self.device, (rows, torch.long))[0].view(len(seqs), width)
         return Proposal(tokens, None, [len(f) for f in found], found)  # q: one-hot at the tokens
 
     def catch_up(self, updates: list[CatchUp]) -> None:
