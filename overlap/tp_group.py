@@ -139,6 +139,7 @@ def run_follower(rank: int, world: int, config, model_dir: str, rendezvous: str)
     executor = build_executor(config.replace(spec=dataclasses.replace(config.spec, method="none")), model)
     executor.proposer = (FollowerProposer(SharedProposals(drafts)) if config.spec.method == "draft"
                          else _sharded_mtp(config, model))
+    _set_up(executor, config)
     try:
         follow(executor, PlanBroadcast(group))
     finally:
@@ -175,11 +176,22 @@ def start_group(config, model_dir: str, rendezvous_dir: str) -> tuple[LeaderExec
         # the leader loads them once more, in full, for its draft.
         from overlap.executor import build_proposer
 
-        executor.proposer = LeaderProposer(build_proposer(config, full_embeddings(model_dir, model.dtype)),
-                                           SharedProposals(drafts))
+        holder = full_embeddings(model_dir, model.dtype, model.embed_tokens.device, model.matmul)
+        executor.proposer = LeaderProposer(build_proposer(config, holder), SharedProposals(drafts))
     else:
         executor.proposer = _sharded_mtp(config, model)
+    _set_up(executor, config)
     return LeaderExecutor(executor, PlanBroadcast(group), followers), model
+
+
+def _set_up(executor, config) -> None:
+    """After the drafter is swapped in: the graphs of the verify pass (and the leader's draft
+    steps) at start-up like a TP=1 executor's, then one device sync (the drafter's KV pool was
+    made on the default stream)."""
+    from overlap.executor import graph_q_lens
+
+    executor.setup_graphs(graph_q_lens(config), require=config.graphs == "on")
+    executor.settle()
 
 
 def _sharded_mtp(config, model):
@@ -195,8 +207,11 @@ def _sharded_mtp(config, model):
                        config.cache.num_pages, config.cache.page_size)
 
 
-def full_embeddings(model_dir: str, dtype: torch.dtype):
-    """A layerless LlamaModel holding the target's full embedding (and lm_head, if untied)."""
+def full_embeddings(model_dir: str, dtype: torch.dtype, device: torch.device | str = "cpu",
+                    matmul: str = "exact"):
+    """A layerless LlamaModel holding the target's full embedding (and lm_head, if untied), on
+    `device` (the rank's): the draft built around it inherits its device, so a holder left on
+    the CPU would put the whole draft there and fail its first propose on a GPU."""
     from safetensors import safe_open
 
     from overlap.config import ModelConfig
@@ -204,7 +219,7 @@ def full_embeddings(model_dir: str, dtype: torch.dtype):
     from overlap.models.loading import read_model_config
 
     cfg = ModelConfig.from_hf(read_model_config(model_dir))
-    holder = LlamaModel(dataclasses.replace(cfg, num_layers=0), dtype)
+    holder = LlamaModel(dataclasses.replace(cfg, num_layers=0), dtype, device, matmul=matmul)
     for f in Path(model_dir).glob("*.safetensors"):
         with safe_open(str(f), framework="pt") as h, torch.no_grad():
             if "model.embed_tokens.weight" in h.keys():

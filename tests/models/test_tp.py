@@ -163,3 +163,32 @@ def test_tp2_real_model_greedy_equals_tp1(smol_dir):
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     want = token_ids(generate(smol_dir, 1, prompts, params))
     assert token_ids(generate(smol_dir, 2, prompts, params)) == want
+
+
+def test_tp_draft_path_builds_every_tensor_on_the_rank_device(tiny_dirs):
+    """The leader's draft under TP is built around `full_embeddings`; every tensor of it (the
+    holder's embeddings, the draft's layers, its lm_head rows, its KV pool, the graph runner's
+    buffers) must be on the rank's device. Checked on the meta device: a tensor left on the
+    CPU shows up as "cpu" (on a GPU it failed the first propose with a device mismatch)."""
+    from overlap.config import CacheConfig, EngineConfig, SpecConfig
+    from overlap.executor import build_proposer
+    from overlap.tp_group import full_embeddings
+
+    meta = torch.device("meta")
+    holder = full_embeddings(str(tiny_dirs["target"]), torch.bfloat16, meta)
+    config = EngineConfig(model=str(tiny_dirs["target"]), device="cpu", attention_backend="reference",
+                          spec=SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(tiny_dirs["draft"])),
+                          cache=CacheConfig(page_size=16, num_pages=8))
+    proposer = build_proposer(config, holder, scratch_page=8)
+    tensors = {f"holder.{n}": t for n, t in holder.state_dict().items()}
+    tensors |= {f"draft.{n}": t for n, t in proposer.draft.model.state_dict().items()}
+    tensors["draft.lm_head"] = proposer.draft.lm_head
+    tensors |= {f"kv.k{i}": t for i, t in enumerate(proposer.kv.k + proposer.kv.v)}
+    tensors["graph_runner.dummy_positions"] = proposer.step_runner._dummy_positions
+    tensors |= {f"{n}.{a}": getattr(o, a) for n, o in (("holder", holder), ("draft", proposer.draft.model))
+                for a in vars(o) if isinstance(getattr(o, a), torch.Tensor)}
+    rope = getattr(proposer.draft.model, "rope", None)
+    if rope is not None:
+        tensors |= {"draft.rope.cos": rope.cos, "draft.rope.sin": rope.sin}
+    wrong = {n: str(t.device) for n, t in tensors.items() if t.device != meta}
+    assert len(tensors) > 10 and not wrong, wrong
