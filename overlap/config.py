@@ -103,7 +103,7 @@ class EngineConfig:
     model: str | None = None  # None: the shipped SmolLM2-135M-Instruct GGUF
     dtype: str = "bfloat16"
     device: str = "cpu"
-    attention_backend: str = "auto"  # auto | cpu | reference | flashinfer
+    attention_backend: str = "auto"  # auto | cpu | reference | torch | flashinfer
     # bf16 matmuls on the CPU: exact = overlap's batch-invariant kernel (the contract of
     # docs/architecture.md); fast = oneDNN as it chooses, NOT batch-invariant (a named
     # option for throughput comparisons, never the default).
@@ -134,10 +134,11 @@ def check_device(device: str, attention_backend: str = "auto") -> None:
     kind, _, index = device.partition(":")
     if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
         raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
-    if attention_backend not in ("auto", "cpu", "reference", "flashinfer"):
-        raise ValueError(f"attention backend must be auto, cpu, reference or flashinfer, got {attention_backend!r}")
+    if attention_backend not in ("auto", "cpu", "reference", "torch", "flashinfer"):
+        raise ValueError("attention backend must be auto, cpu, reference, torch or flashinfer, "
+                         f"got {attention_backend!r}")
     if attention_backend == "cpu" and kind == "cuda":
-        raise ValueError("the cpu attention backend runs on the CPU only (use flashinfer or reference on cuda)")
+        raise ValueError("the cpu attention backend runs on the CPU only (use flashinfer or torch on cuda)")
     if kind == "cuda":
         if not torch.cuda.is_available():
             build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"

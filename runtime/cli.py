@@ -78,10 +78,12 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=("bfloat16", "float32"), help="weight/activation dtype (default: bfloat16)")
     g.add_argument("--device", metavar="cpu|cuda[:N]",
                    help="where the models run (default: the config's, cpu); cuda needs a CUDA build of torch")
-    g.add_argument("--attention-backend", choices=("auto", "cpu", "reference", "flashinfer"),
+    g.add_argument("--attention-backend", choices=("auto", "cpu", "reference", "torch", "flashinfer"),
                    help="attention kernels: cpu (overlap's compiled batch-invariant kernel), reference (pure "
-                        "torch, any device: the test oracle) or flashinfer (CUDA, the `gpu` extra); default "
-                        "auto: flashinfer on cuda, cpu on cpu")
+                        "torch, float64: the test oracle; on cuda its math with device metadata), torch (that "
+                        "math on any device: the CUDA fallback without FlashInfer) or flashinfer (CUDA, the "
+                        "`gpu` extra); default auto: flashinfer on cuda (torch when flashinfer is missing), "
+                        "cpu on cpu")
     g.add_argument("--matmul", choices=("exact", "fast"),
                    help="bf16 matmuls on the CPU: exact (overlap's batch-invariant kernel: greedy speculation "
                         "equals plain decoding on every CPU; the default) or fast (oneDNN as it chooses: row "

@@ -104,6 +104,7 @@ def flashinfer_on_fakes(monkeypatch, decode_cls, prefill_cls, name: str):
     import numpy as np
 
     fake = type(sys)("flashinfer")
+    fake.__version__ = "0.7.4"  # the version the module was written against
     fake.BatchDecodeWithPagedKVCacheWrapper = decode_cls
     fake.BatchPrefillWithPagedKVCacheWrapper = prefill_cls
     monkeypatch.setitem(sys.modules, "flashinfer", fake)

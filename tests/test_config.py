@@ -38,7 +38,7 @@ def test_device_and_backend_checks():
     check_device("cpu")
     check_device("cpu", "reference")
     for device, backend, needle in [("gpu", "auto", "cpu, cuda or cuda:N"), ("cpu:0", "auto", "cpu, cuda or cuda:N"),
-                                    ("cpu", "flashinfer", "needs a CUDA device"), ("cpu", "fast", "auto, reference")]:
+                                    ("cpu", "flashinfer", "needs a CUDA device"), ("cpu", "fast", "auto, cpu, reference, torch")]:
         with pytest.raises(ValueError, match=needle):
             check_device(device, backend)
 

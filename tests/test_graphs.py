@@ -17,7 +17,7 @@ import torch
 
 from helpers import flashinfer_on_fakes
 from overlap.attention import ReferenceBackend, SeqAttention
-from overlap.attention.testing import dense_attention, step_mask
+from attention_oracle import dense_attention, step_mask
 from overlap.config import ModelConfig
 from overlap.graphs import DEFAULT_BUCKETS, GraphRunner, bucket_for, dummy_seq
 from overlap.models.llama import LlamaModel
@@ -188,9 +188,9 @@ class _FakeWrapper:
     the indices capacity, as the real one does) and run() reads only those buffers, like a
     replayed kernel: a graph that depended on anything else would fail here."""
 
-    def __init__(self, workspace, kv_layout="NHD", use_cuda_graph=False, **buffers):
+    def __init__(self, workspace, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False, **buffers):
         assert kv_layout == "NHD" and workspace.dtype == torch.uint8
-        self.graph = use_cuda_graph
+        self.graph, self.tensor_cores = use_cuda_graph, use_tensor_cores
         if use_cuda_graph:
             self.buf = {k.removesuffix("_buffer").removesuffix("_buf"): v for k, v in buffers.items()}
             assert all(t.dtype == torch.int32 for t in self.buf.values())
@@ -231,10 +231,17 @@ class _FakeWrapper:
 
 
 class _FakeDecode(_FakeWrapper):
+    """q_len_per_req > 1 (0.7.4): the tensor-core path, causal within each request's block,
+    qo_indptr = arange * q_len in the wrapper's own buffer (allocated by the real __init__)."""
+
     def plan(self, indptr, indices, last, num_qo_heads, num_kv_heads, head_dim, page_size, *,
-             q_data_type, kv_data_type):
-        self._plan(torch.arange(len(last) + 1, dtype=torch.int32), indptr, indices, last,
-                   page_size, q_data_type, False)
+             q_data_type, kv_data_type, q_len_per_req=1):
+        assert q_len_per_req == 1 or self.tensor_cores, "q_len_per_req > 1 needs the tensor-core path"
+        if self.graph and q_len_per_req > 1:
+            self.buf.setdefault("qo_indptr", torch.zeros(self.batch + 1, dtype=torch.int32))
+            self.uniform_q_len = q_len_per_req
+        self._plan(torch.arange(len(last) + 1, dtype=torch.int32) * q_len_per_req, indptr, indices, last,
+                   page_size, q_data_type, q_len_per_req > 1)
 
 
 class _FakePrefill(_FakeWrapper):
@@ -271,8 +278,11 @@ def test_flashinfer_graph_buffers_serve_every_step(fake_flashinfer, q_len):
     attention = {size: bucket.attention for size, bucket in runner._buckets.items()}
     assert all(isinstance(a, fake_flashinfer.FlashInferGraphAttention) for a in attention.values())
     wrappers = {size: a._wrapper for size, a in attention.items()}
-    assert all(w.graph and isinstance(w, _FakeDecode if q_len == 1 else _FakePrefill)
-               for w in wrappers.values())
+    # Graph buckets run the decode wrapper for every q_len: q_len > 1 on its tensor-core path
+    # planned with the uniform q_len (not a prefill wrapper tiled for the ragged worst case).
+    assert all(w.graph and isinstance(w, _FakeDecode) for w in wrappers.values())
+    if q_len > 1:
+        assert all(w.tensor_cores and w.uniform_q_len == q_len for w in wrappers.values())
     # Planned once per step of their bucket (4,3 | 8,5 | 2 | 1); 11 ran on the eager wrappers.
     assert {s: w.plans for s, w in wrappers.items()} == {4: 2, 8: 2, 2: 1, 1: 1}
     assert attention[8].slots.shape == (8 * q_len,)

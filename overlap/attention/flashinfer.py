@@ -19,16 +19,25 @@ sequence of a masked step gets a mask: the cached-prefix columns all True, the l
 columns its tree mask (or a lower triangle for causal rows). We pack it on the host.
 
 CUDA graphs (overlap/graphs.py) get their attention from `graph_attention()`: wrappers built
-with use_cuda_graph=True over buffers of fixed size, one set per captured batch shape.
+with use_cuda_graph=True over buffers of fixed size, one set per captured batch shape. A
+graph's q_len is uniform, and FlashInfer is told so: q_len 1 runs the decode wrapper; q_len
+k+1 runs the decode wrapper on its tensor-core path planned with `q_len_per_req=q_len`
+(FlashInfer passes it to its scheduler as `uniform_q_len`), causal within each request. A
+graph-mode PREFILL wrapper would size its query tiles for the ragged worst case of the
+buffer (total rows - batch + 1 rows in one request: 128-row tiles for 15 real rows).
 
 Only imported from `make_backend` when the device is CUDA; the CPU path never needs
-flashinfer installed. Written against flashinfer-python 0.7.4.
+flashinfer installed. Written against flashinfer-python 0.7.4 (its private
+`_mask_indptr_buf` and the graph-mode `q_len_per_req` plan): `check_flashinfer_version`
+refuses versions outside SUPPORTED_VERSIONS with a message saying what to install.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import re
 
 import flashinfer
 import numpy as np
@@ -45,6 +54,33 @@ WORKSPACE_BYTES = 128 * 1024 * 1024
 # ahead); a third plan reuses N's set, and `run` then refuses N's stale metadata.
 PLAN_SLOTS = 2
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# [lowest, first unsupported): the range this module was checked against (pyproject's `gpu` extra).
+SUPPORTED_VERSIONS = ((0, 7, 4), (0, 8, 0))
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    return tuple(int(x or 0) for x in match.groups()) if match else ()
+
+
+def check_flashinfer_version(version: str | None = None) -> str:
+    """The installed flashinfer's version, or RuntimeError naming the supported range."""
+    version = version if version is not None else getattr(flashinfer, "__version__", "unknown")
+    low, high = SUPPORTED_VERSIONS
+    have = _version_tuple(version)
+    if not (low <= have < high):
+        want = f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}"
+        raise RuntimeError(f"flashinfer-python {version} is installed; overlap's flashinfer backend was "
+                           f"checked against flashinfer-python{want} (it relies on that version's wrapper "
+                           f"internals): pip install 'flashinfer-python{want}', or run --attention-backend "
+                           f"torch")
+    return version
+
+
+try:  # at import: a wrong flashinfer fails here, with what to install, not mid-step
+    FLASHINFER_VERSION = check_flashinfer_version()
+except RuntimeError as _exc:
+    raise ImportError(str(_exc)) from None
 
 
 @dataclass(frozen=True)
@@ -203,20 +239,13 @@ class FlashInferGraphAttention:
         self._last_len = torch.zeros(batch_size, **i32)  # [B] i32
         # [B * q_len] i64: where the captured kv.write stores the new K/V.
         self.slots = torch.zeros(batch_size * q_len, dtype=torch.long, device=dev)
-        if q_len == 1:
-            self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace, kv_layout="NHD", use_cuda_graph=True,
-                paged_kv_indptr_buffer=self._kv_indptr, paged_kv_indices_buffer=self._indices,
-                paged_kv_last_page_len_buffer=self._last_len)
-            self._qo_indptr_h = None
-        else:
-            self._qo_indptr = torch.zeros(batch_size + 1, **i32)  # [B+1] i32
-            self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                workspace, kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=self._qo_indptr,
-                paged_kv_indptr_buf=self._kv_indptr, paged_kv_indices_buf=self._indices,
-                paged_kv_last_page_len_buf=self._last_len)
-            # Every row has q_len queries: the query indptr never changes.
-            self._qo_indptr_h = _pinned(range(0, (batch_size + 1) * q_len, q_len), torch.int32)
+        buffers = dict(paged_kv_indptr_buffer=self._kv_indptr, paged_kv_indices_buffer=self._indices,
+                       paged_kv_last_page_len_buffer=self._last_len)
+        # q_len > 1: the tensor-core decode path, planned with q_len_per_req (FlashInfer's
+        # uniform_q_len), so its tiles fit q_len rows per request, not the ragged worst case.
+        self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, kv_layout="NHD", use_cuda_graph=True, use_tensor_cores=q_len > 1, **buffers)
+        self._uniform = dict(q_len_per_req=q_len) if q_len > 1 else {}
         self._copied: torch.cuda.Event | None = None  # recorded after the last plan's copies
 
     def plan(self, seqs: list[SeqAttention], page_size: int, num_heads: int,
@@ -245,11 +274,7 @@ class FlashInferGraphAttention:
         indices_d = indices_h.to(self.slots.device, non_blocking=True)
         dims = (num_heads, num_kv_heads, head_dim, page_size)
         types = dict(q_data_type=dtype, kv_data_type=dtype)
-        if self._qo_indptr_h is None:
-            self._wrapper.plan(kv_indptr_h, indices_d, last_h, *dims, **types)
-        else:
-            self._wrapper.plan(self._qo_indptr_h, kv_indptr_h, indices_d, last_h, *dims,
-                               causal=True, **types)
+        self._wrapper.plan(kv_indptr_h, indices_d, last_h, *dims, **self._uniform, **types)
         self.slots.copy_(slots_h, non_blocking=True)
         if self.slots.device.type == "cuda":
             self._copied = torch.cuda.Event()

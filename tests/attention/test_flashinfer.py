@@ -15,7 +15,7 @@ import torch
 
 from helpers import flashinfer_on_fakes
 from overlap.attention import ReferenceBackend, SeqAttention
-from overlap.attention.testing import (KINDS, dense_attention, max_abs_error, random_paged_batch,
+from attention_oracle import (KINDS, dense_attention, max_abs_error, random_paged_batch,
                                        random_specs, step_mask)
 
 PAGE_SIZES = [1, 16, 5]

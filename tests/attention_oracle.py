@@ -1,4 +1,5 @@
-"""Random paged batches and a dense oracle, shared by the attention tests and tools/gpu_check.py.
+"""Random paged batches and a dense oracle, shared by the attention tests and tools/gpu_check.py
+(test code: it lives in tests/, outside the package; gpu_check puts tests/ on its path).
 
 A batch is described by `SeqSpec`s (cached prefix, new tokens, causal or tree). The builder
 scatters every sequence over shuffled pages of a pool whose other slots and other layer hold
@@ -9,7 +10,6 @@ float64 over the same dtype-rounded q/k/v, written independently of the referenc
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from overlap.attention.base import SeqAttention, tree_mask_from_parents
-from overlap.attention.reference import ReferenceBackend
 from overlap.kv import KVPool, slot_mapping
 
 # Batch kinds that the tests and the GPU check both cover.
@@ -162,26 +161,3 @@ def max_abs_error(out: torch.Tensor, expected: torch.Tensor) -> float:
     """Largest |out - expected| (NaN counts as infinitely wrong)."""
     diff = (out.detach().cpu().double() - expected.cpu().double()).abs()
     return math.inf if torch.isnan(diff).any() else float(diff.max()) if diff.numel() else 0.0
-
-
-class DeviceReferenceBackend:
-    """ReferenceBackend with its metadata moved to a device, so the oracle can run inside a
-    model whose weights and KV pool live on CUDA (its plan builds CPU index tensors, and a
-    CUDA index_copy_ with CPU indices fails)."""
-
-    name = "reference"
-
-    def __init__(self, device: torch.device | str):
-        self.device = torch.device(device)
-        self._ref = ReferenceBackend()
-
-    def plan(self, seqs: list[SeqAttention], page_size: int, num_heads: int = 0,
-             num_kv_heads: int = 0, head_dim: int = 0, dtype: torch.dtype = torch.float32):
-        meta = self._ref.plan(seqs, page_size, num_heads, num_kv_heads, head_dim, dtype)
-        groups = [dataclasses.replace(g, **{f.name: getattr(g, f.name).to(self.device)
-                                            for f in dataclasses.fields(g)})
-                  for g in meta.groups]
-        return dataclasses.replace(meta, slots=meta.slots.to(self.device), groups=groups)
-
-    def run(self, layer: int, q: torch.Tensor, kv: KVPool, meta) -> torch.Tensor:
-        return self._ref.run(layer, q, kv, meta)
