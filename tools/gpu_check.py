@@ -1,5 +1,18 @@
 """One-call GPU acceptance check: `python tools/gpu_check.py` on a machine with CUDA.
 
+Air-gapped machines (a CUDA torch, nothing else): stage a bundle where packages can be
+reached (`python tools/gpu_bundle.py --out gpu_bundle`), copy it over, then
+    python gpu_bundle/project/tools/gpu_check.py --bundle gpu_bundle
+installs the bundle into a temporary path and runs, in order, one line per step and a JSON
+report (--report, default gpu_check_report.json): (1) `executor`: the executor on CUDA with the
+torch-only backend, overlap on vs off identical, and a sync census under
+torch.cuda.set_sync_debug_mode("warn") (at most the one documented collect point per step);
+(2) `kernels`: FlashInfer decode/prefill/masked kernels vs the reference (bf16, head_dim 64,
+q_len <= 64); (3) `graphs` with FlashInfer; (4) `e2e`: a model of the shipped model's exact
+shapes with seeded random weights built on the device (real weights with --model DIR), spec
+none/draft/mtp/eagle greedy identical, tok/s, device idle fraction, graphs captured. Without
+a CUDA device it stops cleanly with "no CUDA device" after checking the bundle imports.
+
 Sections (each a function returning table rows; later work adds TP, ...):
   kernels  FlashInfer vs the reference backend on random paged batches: max abs error,
            PASS/FAIL, plan time (ms, host) and run time (ms, CUDA events) per case;
@@ -25,20 +38,44 @@ and wrapper kind): `--dtypes bf16` halves that.
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
+import warnings
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-# Run from a checkout without installing the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Run from a checkout (or a bundle's project/) without installing the package.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+BUNDLE_PACKAGES = ("msgspec", "zmq", "gguf", "websockets", "safetensors", "yaml")
 
-from overlap.attention.testing import (DeviceReferenceBackend, max_abs_error,  # noqa: E402
-                                       random_paged_batch, random_specs)
+
+def use_bundle(bundle: Path) -> dict:
+    """Install the bundle's wheels into a temporary path and put it, the bundle's trimmed
+    flashinfer and its project first on sys.path; → where each module was imported from."""
+    tmp = Path(tempfile.mkdtemp(prefix="overlap-gpu-check-"))
+    site = tmp / "site"
+    wheels = sorted((bundle / "wheels").glob("*.whl")) if (bundle / "wheels").is_dir() else []
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    for wheel in wheels:  # unpacked by hand: no pip or network needed on the GPU machine
+        name = wheel.name
+        if tag in name or "-py3-none-" in name or "-py2.py3-none-" in name:
+            with zipfile.ZipFile(wheel) as zf:
+                zf.extractall(site)
+    paths = [site, bundle / "site", bundle / "flashinfer", bundle / "project", bundle / "project" / "tests"]
+    sys.path[:0] = [str(p) for p in paths if p.is_dir()]
+    found = {}
+    for module in BUNDLE_PACKAGES + ("overlap", "runtime.engine", "attention_oracle"):
+        found[module] = getattr(__import__(module, fromlist=["_"]), "__file__", None)
+    return {"install_dir": str(tmp), "modules": found}
 
 DEVICE = "cuda"  # one place, so the script can be dry-run elsewhere with stand-ins
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -89,8 +126,9 @@ KERNEL_CASES = [
 
 def check_kernels(args) -> list[Row]:
     from overlap.attention.flashinfer import FlashInferBackend
+    from overlap.attention.torch_paged import TorchBackend
 
-    fi, ref = FlashInferBackend(DEVICE), DeviceReferenceBackend(DEVICE)
+    fi, ref = FlashInferBackend(DEVICE), TorchBackend(DEVICE)
     rows = []
     for dtype_name in args.dtypes:
         for case in KERNEL_CASES:
@@ -98,8 +136,16 @@ def check_kernels(args) -> list[Row]:
     return rows
 
 
+MAX_Q_LEN = 64  # longer prefill rows would compile another kernel family (tile 128): minutes
+
+
 def _kernel_row(case: KernelCase, dtype, dtype_name: str, fi, ref, seed: int) -> Row:
+    import dataclasses
+
+    from attention_oracle import max_abs_error, random_paged_batch, random_specs
+
     specs = random_specs(case.kind, random.Random(seed), batch=case.batch, max_cached=case.max_cached)
+    specs = [dataclasses.replace(s, new=min(s.new, MAX_Q_LEN)) for s in specs]
     batch = random_paged_batch(specs, case.page_size, dtype=dtype, device=DEVICE, seed=seed)
     name = f"{case.name} page={case.page_size} {dtype_name}"
     try:
@@ -164,7 +210,10 @@ def check_model(args) -> list[Row]:
         return [Row("model", "load SmolLM2", None, {"why": f"{type(exc).__name__}: {exc}"[:200]})]
     model = load_llama(model_dir, torch.bfloat16, DEVICE)
     prompts = [tokenizer(p)["input_ids"] for p in PROMPTS]
-    ref = _prefill_then_decode(model, DeviceReferenceBackend(DEVICE), prompts)
+    from attention_oracle import max_abs_error
+    from overlap.attention.torch_paged import TorchBackend
+
+    ref = _prefill_then_decode(model, TorchBackend(DEVICE), prompts)
     fi = _prefill_then_decode(model, FlashInferBackend(DEVICE), prompts)
     rows = []
     for step, (a, b) in zip(("prefill", "decode"), zip(ref, fi)):
@@ -284,6 +333,8 @@ def _graph_rows(model, backend, q_len: int, kind: str, seed: int) -> list[Row]:
 
 def _graph_row(model, backend, runner, kv_graph, kv_eager, b: int, label: str, rng) -> Row:
     """GRAPH_ROUNDS steps of batch b through the runner and the eager forward, then timing."""
+    from attention_oracle import max_abs_error
+
     q_len, scratch = runner.q_len, runner.scratch_page
     max_abs, kv_diff, top1, exact = 0.0, 0.0, 1.0, True
     for _ in range(GRAPH_ROUNDS):
@@ -442,10 +493,128 @@ def check_tp(args) -> list[Row]:
     return rows
 
 
+# -- step 1: the executor with the torch-only backend, and its syncs ---------------------------
+
+SMOL_SHAPES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                   num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0, max_position=8192,
+                   tie_word_embeddings=True)  # SmolLM2-135M, the shipped model
+E2E_PROMPTS = [[1, 504, 3458, 282, 4649, 314, 30],   # token ids: no tokenizer is needed here
+               [1, 2683, 253, 3540, 1191, 12] * 3, [1, 7, 8, 9, 10], [1] + list(range(300, 340))]
+
+
+class _NoTokenizer:
+    """Token ids in, token ids out: the check needs no tokenizer package."""
+
+    eos_token_id = None
+
+    def decode(self, ids, **kwargs) -> str:
+        return ""
+
+    def convert_ids_to_tokens(self, ids):
+        return [""] * len(ids)
+
+
+def _random_model(shapes: dict, seed: int, model_dir: str | None = None):
+    from overlap.config import ModelConfig
+    from overlap.models.llama import LlamaModel, load_llama
+
+    if model_dir:
+        return load_llama(model_dir, torch.bfloat16, DEVICE)
+    cfg = ModelConfig(**shapes)
+    model = LlamaModel(cfg, torch.bfloat16, DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    with torch.no_grad():  # built on the device: nothing to load or copy
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.05, generator=gen)
+    return model.eval()
+
+
+def _engine_run(model, backend: str, spec: str = "none", k: int = 3, prompts=None, tokens: int = 32, **kw):
+    """Greedy tokens of `prompts` through the in-process engine → (tokens, stats, executor)."""
+    from overlap.config import CacheConfig, EngineConfig, SpecConfig, default_draft_dir, default_head_dir
+    from runtime.engine import Engine
+    from runtime.messages import SamplingParams
+
+    spec_cfg = SpecConfig(method=spec, num_spec_tokens=None if spec == "eagle" else k,
+                          draft_model=str(default_draft_dir()) if spec == "draft" else None,
+                          head=str(default_head_dir()) if spec in ("mtp", "eagle") else None)
+    config = EngineConfig(device=DEVICE, attention_backend=backend, spec=spec_cfg,
+                          cache=CacheConfig(page_size=16, num_pages=1024), **kw)
+    engine = Engine.from_model(config, model, _NoTokenizer())
+    engine.generate([p[:4] for p in (prompts or E2E_PROMPTS)[:1]], SamplingParams(max_tokens=4, ignore_eos=True))
+    before = engine.stats()
+    t0 = time.perf_counter()
+    out = [r.token_ids for r in engine.generate(prompts or E2E_PROMPTS, SamplingParams(max_tokens=tokens,
+                                                                                       ignore_eos=True))]
+    wall = time.perf_counter() - t0
+    after = engine.stats()
+    busy = after["device_busy_s"] - before["device_busy_s"]
+    idle = after["device_idle_s"] - before["device_idle_s"]
+    stats = {"tok/s": f"{sum(map(len, out)) / wall:.0f}", "idle": f"{100 * idle / max(busy + idle, 1e-9):.1f}%",
+             "steps": after["timed_steps"] - before["timed_steps"],
+             "graphs": sum(len(r["captured"]) for r in engine.executor.graph_report)}
+    executor = engine.executor
+    engine.close()
+    return out, stats, executor
+
+
+def check_executor(args) -> list[Row]:
+    """The executor with the torch-only backend (graphs as configured: this backend runs them
+    eagerly), overlap on vs off identical, and the syncs counted by torch's sync debug mode."""
+    model = _random_model(dict(SMOL_SHAPES, num_layers=4), args.seed)
+    on, t_on, _ = _engine_run(model, "torch", graphs="auto")
+    off, t_off, _ = _engine_run(model, "torch", graphs="auto", overlap=False)
+    rows = [Row("executor", "torch backend: overlap on == off (greedy)", on == off, t_on)]
+    if DEVICE == "cuda":
+        torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _, t_sync, _ = _engine_run(model, "torch", graphs="auto")
+    finally:
+        if DEVICE == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    where = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
+    # The warm-up request's steps count too: at most one sync (the collect point) per step.
+    steps = t_sync["steps"] + 8
+    rows.append(Row("executor", "sync census (set_sync_debug_mode warn)", len(syncs) <= steps,
+                    {"syncs": str(len(syncs)), "steps": str(t_sync["steps"]), "where": ",".join(where)[:200]}))
+    rows[0].cols["off tok/s"] = t_off["tok/s"]
+    return rows
+
+
+# -- step 4: end to end on the shipped model's shapes -------------------------------------------
+
+def check_e2e(args) -> list[Row]:
+    """Spec none/draft/mtp/eagle greedy identical on a model of the shipped model's exact
+    shapes (seeded random weights built on the device, or --model DIR), FlashInfer and graphs
+    when available: tok/s, device idle fraction, graphs captured."""
+    from overlap.attention import flashinfer_problem
+
+    model = _random_model(SMOL_SHAPES if DEVICE == "cuda" else args.cpu_shapes, args.seed, args.model)
+    backend = "auto" if DEVICE == "cuda" and flashinfer_problem() is None else ("torch" if DEVICE == "cuda" else "cpu")
+    base, t_base, _ = _engine_run(model, backend)
+    rows = [Row("e2e", f"spec none ({backend})", True, t_base)]
+    for spec, k in (("draft", 3), ("mtp", 1), ("mtp", 3), ("eagle", 0)):
+        try:
+            out, stats, _ = _engine_run(model, backend, spec=spec, k=k)
+            rows.append(Row("e2e", f"spec {spec}{k or ''} == none (greedy)", out == base, stats))
+        except Exception as exc:
+            traceback.print_exc()
+            rows.append(Row("e2e", f"spec {spec}{k or ''}", False, {"error": f"{type(exc).__name__}: {exc}"[:200]}))
+    return rows
+
+
 # -- driver -----------------------------------------------------------------------------------
 
-SECTIONS = {"kernels": check_kernels, "model": check_model, "graphs": check_graphs, "pipeline": check_pipeline,
-            "tp": check_tp}
+# In the order the air-gapped check runs them (steps 1-4); model, pipeline and tp need the
+# shipped model package and run when asked for (--sections).
+STEPS = ("executor", "kernels", "graphs", "e2e")
+SECTIONS = {"executor": check_executor, "kernels": check_kernels, "graphs": check_graphs, "e2e": check_e2e,
+            "model": check_model, "pipeline": check_pipeline, "tp": check_tp}
+NEEDS_FLASHINFER = ("kernels", "graphs", "model")
 
 
 def print_table(rows: list[Row]) -> None:
@@ -460,42 +629,80 @@ def print_table(rows: list[Row]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated, from: {', '.join(SECTIONS)}")
-    parser.add_argument("--dtypes", default="bf16,fp16", help="comma-separated: bf16, fp16")
+    parser.add_argument("--sections", default=",".join(STEPS),
+                        help=f"comma-separated, from: {', '.join(SECTIONS)} (default: {','.join(STEPS)})")
+    parser.add_argument("--dtypes", default="bf16", help="comma-separated: bf16, fp16")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bundle", metavar="DIR", help="a tools/gpu_bundle.py bundle to install and import from")
+    parser.add_argument("--model", metavar="DIR", help="e2e on these weights instead of random ones")
+    parser.add_argument("--report", default="gpu_check_report.json", help="JSON report path")
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a smoke run of executor/e2e
     args = parser.parse_args(argv)
+    args.cpu_shapes = dict(SMOL_SHAPES, num_layers=2)  # the shipped drafters' widths, fewer layers
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     sections = [s for s in args.sections.split(",") if s]
     unknown = [s for s in sections if s not in SECTIONS] + [d for d in args.dtypes if d not in DTYPES]
     if unknown:
         parser.error(f"unknown section or dtype: {', '.join(unknown)}")
+    report: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "python": sys.version.split()[0],
+                    "torch": torch.__version__, "steps": []}
 
-    if not torch.cuda.is_available():
-        print("SKIP: no CUDA device")
+    def write(status: str) -> None:
+        report["status"] = status
+        Path(args.report).write_text(json.dumps(report, indent=2))
+
+    if args.bundle:
+        t0 = time.perf_counter()
+        try:
+            report["bundle"] = use_bundle(Path(args.bundle).resolve())
+        except Exception as exc:
+            print(f"FAIL bundle: {type(exc).__name__}: {exc}")
+            report["bundle"] = {"error": f"{type(exc).__name__}: {exc}"}
+            write("bundle failed")
+            return 2
+        print(f"[bundle] installed into {report['bundle']['install_dir']}, imports OK "
+              f"({time.perf_counter() - t0:.1f}s)", flush=True)
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("SKIP: no CUDA device: stopping here (nothing to check on this machine)")
+        write("no CUDA device")
         return 0
-    try:
-        import flashinfer
-    except ImportError as exc:
-        print(f"FAIL: flashinfer is not importable ({exc}); install flashinfer-python")
-        return 2
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
-          f"flashinfer {flashinfer.__version__}")
+    if DEVICE == "cuda":
+        report["device"] = torch.cuda.get_device_name()
+        from overlap.attention import flashinfer_problem
+
+        problem = flashinfer_problem()
+        report["flashinfer"] = problem or "ok"
+        print(f"device: {report['device']}  torch {torch.__version__}  flashinfer: {problem or 'ok'}", flush=True)
+    else:
+        problem = "no CUDA device"
+        sections = [s for s in sections if s in ("executor", "e2e")]
 
     rows: list[Row] = []
     for name in sections:
         t0 = time.perf_counter()
-        try:
-            rows += SECTIONS[name](args)
-        except Exception as exc:  # one broken section must not hide the others' results
-            traceback.print_exc()
-            rows.append(Row(name, "section crashed", False, {"error": f"{type(exc).__name__}: {exc}"[:200]}))
-        print(f"[{name}] done in {time.perf_counter() - t0:.1f}s", flush=True)
+        if name in NEEDS_FLASHINFER and problem is not None:
+            got = [Row(name, "needs flashinfer", False if DEVICE == "cuda" else None, {"why": problem[:200]})]
+        else:
+            try:
+                got = SECTIONS[name](args)
+            except Exception as exc:  # one broken section must not hide the others' results
+                traceback.print_exc()
+                got = [Row(name, "section crashed", False, {"error": f"{type(exc).__name__}: {exc}"[:200]})]
+        seconds = time.perf_counter() - t0
+        rows += got
+        status = "FAIL" if any(r.ok is False for r in got) else "PASS"
+        print(f"[{name}] {status} in {seconds:.1f}s: " + "; ".join(f"{r.name} {r.status}" for r in got), flush=True)
+        report["steps"].append({"step": name, "status": status, "seconds": round(seconds, 2),
+                                "rows": [{"name": r.name, "status": r.status, **r.cols} for r in got]})
+        write("running")
     print_table(rows)
     failed = [r for r in rows if r.ok is False]
     print(f"{len(rows) - len(failed)}/{len(rows)} checks passed or skipped; "
           f"{len(failed)} failed" if failed else "ALL PASS")
+    write("failed" if failed else "pass")
     return 1 if failed else 0
 
 
