@@ -75,11 +75,23 @@ def variant_name() -> str:
     return VARIANTS[_library().variant()][0]
 
 
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """The kernel's packed copy of a weight [N, K] (column blocks, k-major inside): made on
+    first use and kept on the weight tensor itself, remade if the weight is changed in place
+    (its version counter moves). Costs one extra copy of the CPU weights in memory."""
+    cached = getattr(weight, "_overlap_packed", None)
+    if cached is None or cached[0] != weight._version:
+        with torch.no_grad():
+            cached = (weight._version, _library().pack_weight(weight.detach()))
+        weight._overlap_packed = cached
+    return cached[1]
+
+
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                 out_float: bool = False) -> torch.Tensor:
-    """x [M, K] bf16, weight [N, K] bf16 (contiguous) → [M, N] bf16 (f32 if out_float).
+    """x [M, K] bf16, weight [N, K] bf16 → [M, N] bf16 (f32 if out_float).
     Row m of the result depends only on row m of x: bit-identical for any M."""
-    return _library().linear(x, weight, bias, out_float)
+    return _library().linear(x, packed(weight), weight.shape[0], bias, out_float)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

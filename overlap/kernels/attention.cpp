@@ -42,8 +42,8 @@ void run(const T* q, const T* kc, const T* vc, T* out, const int32_t* q_start,
          int64_t page_size, const bool* tree, int64_t tree_cols, int64_t num_seqs,
          int64_t heads, int64_t kv_heads, int64_t dim, float scale, int64_t rows_per_task) {
   const int64_t group = heads / kv_heads;
-  // Tasks: (sequence, kv head, block of query rows). Work splits never cross a query row,
-  // so the split (and the thread count) cannot change any row's arithmetic.
+  // Tasks: (sequence, kv head, block of query rows). The rows of a block share each key and
+  // value load; the split never changes a row's own arithmetic (see below).
   std::vector<int64_t> task_seq, task_row;
   for (int64_t b = 0; b < num_seqs; ++b)
     for (int64_t r = 0; r < q_len[b]; r += rows_per_task) {
@@ -52,54 +52,74 @@ void run(const T* q, const T* kc, const T* vc, T* out, const int32_t* q_start,
     }
   const int64_t tasks = int64_t(task_seq.size()) * kv_heads;
   at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores, kf(dim), vf(dim), qf(group * dim), acc(group * dim);
+    std::vector<float> scores, qf, acc, max_s, total, kf(dim), vf(dim);
+    std::vector<int64_t> visible_end;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = task_seq[t / kv_heads], kvh = t % kv_heads;
-      const int64_t r_end = std::min<int64_t>(task_row[t / kv_heads] + rows_per_task, q_len[b]);
+      const int64_t i0 = task_row[t / kv_heads], i1 = std::min<int64_t>(i0 + rows_per_task, q_len[b]);
+      const int64_t rows = i1 - i0, nq = rows * group;
       const int64_t prefix = kv_len[b] - q_len[b];
       const int32_t* pages = table + b * max_pages;
-      for (int64_t i = task_row[t / kv_heads]; i < r_end; ++i) {
-        const int64_t row = q_start[b] + i;
-        const int64_t visible_end = tree ? kv_len[b] : prefix + i + 1;
-        scores.assign(group * visible_end, -std::numeric_limits<float>::infinity());
+      // Row i (of its sequence) sees keys 0..prefix+i causally, or the prefix plus the tree
+      // nodes its mask row allows: its own visibility, whatever else is in the block.
+      visible_end.resize(rows);
+      for (int64_t ii = 0; ii < rows; ++ii) visible_end[ii] = tree ? kv_len[b] : prefix + i0 + ii + 1;
+      const int64_t span = visible_end[rows - 1] > visible_end[0] ? visible_end[rows - 1] : visible_end[0];
+      auto visible = [&](int64_t ii, int64_t j) {
+        if (j >= visible_end[ii]) return false;
+        return !tree || j < prefix || tree[(q_start[b] + i0 + ii) * tree_cols + (j - prefix)];
+      };
+      qf.resize(nq * dim);
+      for (int64_t ii = 0; ii < rows; ++ii)
         for (int64_t g = 0; g < group; ++g)
-          to_float(q + (row * heads + kvh * group + g) * dim, qf.data() + g * dim, dim);
-        // 1. scores of every visible key, in ascending key order.
-        for (int64_t j = 0; j < visible_end; ++j) {
-          if (tree && j >= prefix && !tree[row * tree_cols + (j - prefix)]) continue;
-          const int64_t slot = int64_t(pages[j / page_size]) * page_size + j % page_size;
-          to_float(kc + (slot * kv_heads + kvh) * dim, kf.data(), dim);
+          to_float(q + ((q_start[b] + i0 + ii) * heads + kvh * group + g) * dim, qf.data() + (ii * group + g) * dim, dim);
+      // 1. scores of every visible key, each key loaded once for the block.
+      scores.assign(nq * span, 0.f);
+      for (int64_t j = 0; j < span; ++j) {
+        const int64_t slot = int64_t(pages[j / page_size]) * page_size + j % page_size;
+        to_float(kc + (slot * kv_heads + kvh) * dim, kf.data(), dim);
+        for (int64_t ii = 0; ii < rows; ++ii) {
+          if (!visible(ii, j)) continue;
           for (int64_t g = 0; g < group; ++g)
-            scores[g * visible_end + j] = dot(qf.data() + g * dim, kf.data(), dim) * scale;
+            scores[(ii * group + g) * span + j] = dot(qf.data() + (ii * group + g) * dim, kf.data(), dim) * scale;
         }
-        // 2. softmax weights (max first, so exp never overflows), then their sum.
-        std::vector<float> max_s(group, -std::numeric_limits<float>::infinity()), total(group, 0.f);
-        for (int64_t g = 0; g < group; ++g)
-          for (int64_t j = 0; j < visible_end; ++j) max_s[g] = std::max(max_s[g], scores[g * visible_end + j]);
-        for (int64_t g = 0; g < group; ++g)
-          for (int64_t j = 0; j < visible_end; ++j) {
-            float& s = scores[g * visible_end + j];
-            s = std::isinf(s) ? 0.f : std::exp(s - max_s[g]);
-            total[g] += s;
-          }
-        // 3. weighted values, in ascending key order.
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t j = 0; j < visible_end; ++j) {
-          if (tree && j >= prefix && !tree[row * tree_cols + (j - prefix)]) continue;
-          const int64_t slot = int64_t(pages[j / page_size]) * page_size + j % page_size;
-          to_float(vc + (slot * kv_heads + kvh) * dim, vf.data(), dim);
+      }
+      // 2. per row and head: the max over its visible keys, then exp and their sum in key order.
+      max_s.assign(nq, -std::numeric_limits<float>::infinity());
+      total.assign(nq, 0.f);
+      for (int64_t ii = 0; ii < rows; ++ii)
+        for (int64_t g = 0; g < group; ++g) {
+          float* s = scores.data() + (ii * group + g) * span;
+          float& m = max_s[ii * group + g];
+          for (int64_t j = 0; j < span; ++j)
+            if (visible(ii, j)) m = std::max(m, s[j]);
+          for (int64_t j = 0; j < span; ++j)
+            if (visible(ii, j)) {
+              s[j] = std::exp(s[j] - m);
+              total[ii * group + g] += s[j];
+            }
+        }
+      // 3. weighted values in key order, each value loaded once for the block.
+      acc.assign(nq * dim, 0.f);
+      for (int64_t j = 0; j < span; ++j) {
+        const int64_t slot = int64_t(pages[j / page_size]) * page_size + j % page_size;
+        to_float(vc + (slot * kv_heads + kvh) * dim, vf.data(), dim);
+        for (int64_t ii = 0; ii < rows; ++ii) {
+          if (!visible(ii, j)) continue;
           for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * visible_end + j];
-            float* a = acc.data() + g * dim;
+            const float p = scores[(ii * group + g) * span + j];
+            float* a = acc.data() + (ii * group + g) * dim;
             for (int64_t d = 0; d < dim; ++d) a[d] += p * vf[d];
           }
         }
-        for (int64_t g = 0; g < group; ++g) {
-          T* o = out + (row * heads + kvh * group + g) * dim;
-          const float inv = 1.f / total[g];
-          for (int64_t d = 0; d < dim; ++d) o[d] = T(acc[g * dim + d] * inv);
-        }
       }
+      for (int64_t ii = 0; ii < rows; ++ii)
+        for (int64_t g = 0; g < group; ++g) {
+          T* o = out + ((q_start[b] + i0 + ii) * heads + kvh * group + g) * dim;
+          const float inv = 1.f / total[ii * group + g];
+          const float* a = acc.data() + (ii * group + g) * dim;
+          for (int64_t d = 0; d < dim; ++d) o[d] = T(a[d] * inv);
+        }
     }
   });
 }

@@ -1,7 +1,8 @@
 // Python bindings of overlap's CPU kernels (one extension module per ISA variant).
 #include <torch/extension.h>
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias,
+torch::Tensor pack_weight(torch::Tensor weight);
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
                      bool out_float);
 int variant();
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -14,7 +15,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t rot_heads, int64_t head_dim);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "batch-invariant bf16 linear (linear_bf16.cpp)");
+  m.def("pack_weight", &pack_weight, "a weight [N, K] in the linear kernel's packed layout");
+  m.def("linear", &linear, "batch-invariant bf16 linear on a packed weight (linear_bf16.cpp)");
   m.def("variant", &variant, "the ISA variant this build was compiled for");
   m.def("paged_attention", &paged_attention, "batch-invariant paged attention (attention.cpp)");
   m.def("rms_norm", &rms_norm, "fused bf16 RMSNorm (layer_ops.cpp)");

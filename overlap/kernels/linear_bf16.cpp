@@ -5,140 +5,127 @@
 // AVX512_CORE_BF16, AVX512_CORE, AVX2). A token's logits then depend on how many other rows
 // share its matmul, and greedy speculative decoding parts from plain decoding at near-ties.
 //
-// Here every output element is reduced by ONE accumulator vector walking k in a fixed order,
-// then one fixed horizontal sum: the instruction sequence that produces y[m, n] is the same
-// for any M, any tile position and any thread split (threads split n only). Rows are still
-// tiled (ROWS x COLS accumulators at once) so each weight element is loaded once per tile of
-// rows: a 4-row verify reads the weights as often as a 1-row decode.
+// Here the weight is packed once (pack_weight) into column blocks of NB outputs, k-major
+// inside a block, so vector lanes run over outputs: each output column n owns one lane of
+// one accumulator, which walks k from 0 to K-1 in order (bf16 pairs with vdpbf16ps, single
+// k with FMA otherwise). No horizontal sums, and the instruction sequence producing y[m, n]
+// is the same for any M, any row tile and any thread split (threads split column blocks
+// only). Rows are tiled ROWS at a time, so a 4-row verify reads each weight once, like a
+// 1-row decode: extra rows cost compute, not bandwidth.
 //
-// One source, compiled per ISA variant (OVERLAP_VARIANT): 2 = AVX512_BF16 (vdpbf16ps:
-// pairs of bf16 products summed exactly, accumulated in f32), 1 = AVX512F, 0 = AVX2+FMA,
-// -1 = portable scalar. The result is bit-identical across M within a variant, not across
+// One source, compiled per ISA variant (OVERLAP_VARIANT): 2 = AVX512_BF16, 1 = AVX512F,
+// 0 = AVX2+FMA, -1 = portable scalar. Bit-identical across M within a variant, not across
 // variants (a machine runs one).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <cmath>
+#include <cstring>
 #if OVERLAP_VARIANT >= 0
 #include <immintrin.h>
 #endif
 
 namespace {
 
-constexpr int ROWS = 4;  // rows of x per register tile
-constexpr int COLS = 4;  // rows of w (outputs) per register tile
-
 using bf16 = c10::BFloat16;
+constexpr int ROWS = 4;  // rows of x per register tile
 
 #if OVERLAP_VARIANT == 2
-constexpr int STEP = 32;  // bf16 elements per accumulate step
+// Packed [N/NB][K/2][NB][2]: a k pair of NB outputs is one 64-byte vector per 16 outputs.
+constexpr int VEC = 16, VECS = 4, KSTEP = 2;
 using Acc = __m512;
 inline Acc zero() { return _mm512_setzero_ps(); }
-inline __m512i load(const bf16* p) { return _mm512_loadu_si512(p); }
-inline Acc madd(Acc acc, __m512i a, __m512i b) {
-  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+inline __m512i load_w(const bf16* p) { return _mm512_loadu_si512(p); }
+inline __m512i bcast_x(const bf16* x) {  // x[k], x[k+1] as one 32-bit value in every lane
+  int32_t pair;
+  std::memcpy(&pair, x, 4);
+  return _mm512_set1_epi32(pair);
 }
-inline float hsum(Acc acc) { return _mm512_reduce_add_ps(acc); }
+inline Acc madd(Acc acc, __m512i x, __m512i w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
+inline void store(float* out, Acc a) { _mm512_storeu_ps(out, a); }
 #elif OVERLAP_VARIANT == 1
-constexpr int STEP = 16;
+// Packed [N/NB][K][NB]: 16 bf16 outputs of one k, widened to f32 (an exact shift).
+constexpr int VEC = 16, VECS = 4, KSTEP = 1;
 using Acc = __m512;
 inline Acc zero() { return _mm512_setzero_ps(); }
-inline __m512 load(const bf16* p) {  // bf16 -> f32 is a 16-bit shift: exact
+inline __m512 load_w(const bf16* p) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-inline Acc madd(Acc acc, __m512 a, __m512 b) { return _mm512_fmadd_ps(a, b, acc); }
-inline float hsum(Acc acc) { return _mm512_reduce_add_ps(acc); }
+inline __m512 bcast_x(const bf16* x) { return _mm512_set1_ps(float(*x)); }
+inline Acc madd(Acc acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
+inline void store(float* out, Acc a) { _mm512_storeu_ps(out, a); }
 #elif OVERLAP_VARIANT == 0
-constexpr int STEP = 8;
+constexpr int VEC = 8, VECS = 2, KSTEP = 1;  // 16 ymm registers: 8 accumulators + 2 weights + x
 using Acc = __m256;
 inline Acc zero() { return _mm256_setzero_ps(); }
-inline __m256 load(const bf16* p) {
+inline __m256 load_w(const bf16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-inline Acc madd(Acc acc, __m256 a, __m256 b) { return _mm256_fmadd_ps(a, b, acc); }
-inline float hsum(Acc acc) {  // fixed tree: halves, then pairs
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+inline __m256 bcast_x(const bf16* x) { return _mm256_set1_ps(float(*x)); }
+inline Acc madd(Acc acc, __m256 x, __m256 w) { return _mm256_fmadd_ps(x, w, acc); }
+inline void store(float* out, Acc a) { _mm256_storeu_ps(out, a); }
 #else
-constexpr int STEP = 8;
-struct Acc { float v[8]; };
+constexpr int VEC = 8, VECS = 2, KSTEP = 1;
+struct Acc { float v[VEC]; };
 inline Acc zero() { return Acc{}; }
-inline const bf16* load(const bf16* p) { return p; }
-inline Acc madd(Acc acc, const bf16* a, const bf16* b) {
-  for (int i = 0; i < 8; ++i) acc.v[i] = std::fma(float(a[i]), float(b[i]), acc.v[i]);
+inline const bf16* load_w(const bf16* p) { return p; }
+inline float bcast_x(const bf16* x) { return float(*x); }
+inline Acc madd(Acc acc, float x, const bf16* w) {
+  for (int i = 0; i < VEC; ++i) acc.v[i] = std::fma(x, float(w[i]), acc.v[i]);
   return acc;
 }
-inline float hsum(Acc acc) {
-  float s[4];
-  for (int i = 0; i < 4; ++i) s[i] = acc.v[i] + acc.v[i + 4];
-  return (s[0] + s[2]) + (s[1] + s[3]);
-}
+inline void store(float* out, Acc a) { std::memcpy(out, a.v, sizeof(a.v)); }
 #endif
 
-// The k elements past the last full STEP, in order, after the vector part.
-inline float tail(const bf16* x, const bf16* w, int64_t k0, int64_t k) {
-  float s = 0.f;
-  for (int64_t i = k0; i < k; ++i) s = std::fma(float(x[i]), float(w[i]), s);
-  return s;
-}
+constexpr int NB = VEC * VECS;  // outputs per column block
 
-// One tile: rows r0..r0+R of x against outputs c0..c0+C of w. R <= ROWS, C <= COLS are
-// compile-time so the accumulators live in registers.
-template <int R, int C, typename Out>
-inline void tile(const bf16* x, const bf16* w, const float* bias, Out* y, int64_t k,
-                 int64_t n, int64_t r0, int64_t c0) {
-  Acc acc[R][C];
+inline int64_t padded_k(int64_t k) { return (k + KSTEP - 1) / KSTEP * KSTEP; }
+
+// Rows r0..r0+R of x against column block b: R x VECS accumulators in registers.
+template <int R, typename Out>
+inline void tile(const bf16* x, int64_t xk, const bf16* block, int64_t kp, const float* bias,
+                 Out* y, int64_t n, int64_t r0, int64_t c0) {
+  Acc acc[R][VECS];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = zero();
-  const int64_t kv = k - k % STEP;
-  for (int64_t i = 0; i < kv; i += STEP) {
-    decltype(load(x)) wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = load(w + (c0 + c) * k + i);
+    for (int v = 0; v < VECS; ++v) acc[r][v] = zero();
+  for (int64_t k = 0; k < kp; k += KSTEP) {
+    const bf16* wk = block + k * NB;  // NB outputs x KSTEP k values, contiguous
+    decltype(load_w(wk)) w[VECS];
+    for (int v = 0; v < VECS; ++v) w[v] = load_w(wk + v * VEC * KSTEP);
     for (int r = 0; r < R; ++r) {
-      auto xv = load(x + (r0 + r) * k + i);
-      for (int c = 0; c < C; ++c) acc[r][c] = madd(acc[r][c], xv, wv[c]);
+      auto xv = bcast_x(x + (r0 + r) * xk + k);
+      for (int v = 0; v < VECS; ++v) acc[r][v] = madd(acc[r][v], xv, w[v]);
     }
   }
-  // Reduce every accumulator before anything is stored: a store through y (float or bf16)
-  // may alias the vector accumulators, which would force them to memory in the k loop.
-  float sums[R][C];
+  float sums[R][NB];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) sums[r][c] = hsum(acc[r][c]);
+    for (int v = 0; v < VECS; ++v) store(sums[r] + v * VEC, acc[r][v]);
+  const int64_t cols = std::min<int64_t>(NB, n - c0);
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      float s = sums[r][c] + tail(x + (r0 + r) * k, w + (c0 + c) * k, kv, k);
+    for (int64_t c = 0; c < cols; ++c) {
+      float s = sums[r][c];
       if (bias) s += bias[c0 + c];
       y[(r0 + r) * n + c0 + c] = Out(s);
     }
 }
 
-template <int C, typename Out>
-inline void column_block(const bf16* x, const bf16* w, const float* bias, Out* y, int64_t m,
-                         int64_t k, int64_t n, int64_t c0) {
-  int64_t r = 0;
-  for (; r + ROWS <= m; r += ROWS) tile<ROWS, C>(x, w, bias, y, k, n, r, c0);
-  for (; r < m; ++r) tile<1, C>(x, w, bias, y, k, n, r, c0);
-}
-
 template <typename Out>
-void run(const bf16* x, const bf16* w, const float* bias, Out* y, int64_t m, int64_t k,
-         int64_t n) {
-  const int64_t blocks = (n + COLS - 1) / COLS;
-  // Threads split the outputs only, never k: a thread count or split change cannot change
-  // any element's reduction order. Grain: ~64 KiB of weights per task.
-  const int64_t grain = std::max<int64_t>(1, (32768 / std::max<int64_t>(k, 1)) / COLS);
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+void run(const bf16* x, int64_t xk, const bf16* packed, int64_t kp, const float* bias, Out* y,
+         int64_t m, int64_t n) {
+  const int64_t blocks = (n + NB - 1) / NB;
+  // Threads split column blocks only, never k: no split can change a reduction order.
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t c0 = b * COLS;
-      if (c0 + COLS <= n) {
-        column_block<COLS>(x, w, bias, y, m, k, n, c0);
-      } else {
-        for (int64_t c = c0; c < n; ++c) column_block<1>(x, w, bias, y, m, k, n, c);
+      const bf16* block = packed + b * kp * NB;
+      int64_t r = 0;
+      for (; r + ROWS <= m; r += ROWS) tile<ROWS>(x, xk, block, kp, bias, y, n, r, b * NB);
+      switch (m - r) {
+        case 3: tile<3>(x, xk, block, kp, bias, y, n, r, b * NB); break;
+        case 2: tile<2>(x, xk, block, kp, bias, y, n, r, b * NB); break;
+        case 1: tile<1>(x, xk, block, kp, bias, y, n, r, b * NB); break;
+        default: break;
       }
     }
   });
@@ -146,29 +133,40 @@ void run(const bf16* x, const bf16* w, const float* bias, Out* y, int64_t m, int
 
 }  // namespace
 
-// x [M, K] bf16, weight [N, K] bf16, bias [N] or None → [M, N] in bf16, or f32 when
-// out_float (the lm_head: logits keep the f32 sum instead of a bf16 rounding).
-torch::Tensor linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias,
+// weight [N, K] bf16 → the packed layout of this variant, as a flat bf16 tensor:
+// [ceil(N/NB)][padded K / KSTEP][NB][KSTEP], zero-padded (padding adds exact zeros).
+torch::Tensor pack_weight(torch::Tensor weight) {
+  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.dim() == 2, "pack_weight: bf16 [N, K]");
+  const int64_t n = weight.size(0), k = weight.size(1), kp = padded_k(k);
+  const int64_t blocks = (n + NB - 1) / NB;
+  auto w = torch::zeros({blocks * NB, kp}, weight.options());
+  w.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
+  // [blocks, NB, kp/KSTEP, KSTEP] → [blocks, kp/KSTEP, NB, KSTEP]
+  return w.view({blocks, NB, kp / KSTEP, KSTEP}).permute({0, 2, 1, 3}).contiguous().view({-1});
+}
+
+// x [M, K] bf16, packed = pack_weight(weight [N, K]) → [M, N] in bf16, or f32 when out_float
+// (the lm_head: logits keep the f32 sum instead of a bf16 rounding).
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
                      bool out_float) {
-  TORCH_CHECK(x.dtype() == torch::kBFloat16 && weight.dtype() == torch::kBFloat16,
-              "overlap linear_bf16: x and weight must be bfloat16");
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "overlap linear_bf16: shapes ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16 && x.dim() == 2,
+              "overlap linear_bf16: bf16 x [M, K] and a packed weight");
+  const int64_t m = x.size(0), k = x.size(1), kp = padded_k(k);
+  TORCH_CHECK(packed.numel() == (n + NB - 1) / NB * NB * kp, "overlap linear_bf16: packed weight does not fit x");
+  if (kp != k) x = torch::constant_pad_nd(x, {0, kp - k});  // a zero pair partner adds exactly 0
   x = x.contiguous();
-  TORCH_CHECK(weight.is_contiguous(), "overlap linear_bf16: weight must be contiguous");
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
   torch::Tensor b;
   if (bias.has_value() && bias->defined()) b = bias->to(torch::kFloat32).contiguous();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   auto xp = reinterpret_cast<const bf16*>(x.data_ptr());
-  auto wp = reinterpret_cast<const bf16*>(weight.data_ptr());
+  auto wp = reinterpret_cast<const bf16*>(packed.data_ptr());
   if (out_float) {
     auto y = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
-    run<float>(xp, wp, bp, y.data_ptr<float>(), m, k, n);
+    run<float>(xp, kp, wp, kp, bp, y.data_ptr<float>(), m, n);
     return y;
   }
   auto y = torch::empty({m, n}, x.options());
-  run<bf16>(xp, wp, bp, reinterpret_cast<bf16*>(y.data_ptr()), m, k, n);
+  run<bf16>(xp, kp, wp, kp, bp, reinterpret_cast<bf16*>(y.data_ptr()), m, n);
   return y;
 }
 
