@@ -22,6 +22,9 @@ SOURCES = [str(Path(__file__).with_name(n))
 
 # variant id → (name, compiler flags, CPU flags it needs)
 VARIANTS = {
+    3: ("amx", ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+                "-mamx-tile", "-mamx-bf16"],
+        {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile", "amx_bf16"}),
     2: ("avx512bf16", ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
                        "-mavx512bf16"], {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
     1: ("avx512", ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
@@ -31,7 +34,7 @@ VARIANTS = {
 }
 
 # The highest variant each oneDNN ISA cap allows (prefix match, longest first).
-_CAPS = [("AVX10", 2), ("AVX512_CORE_AMX", 2), ("AVX512_CORE_FP16", 2), ("AVX512_CORE_BF16", 2),
+_CAPS = [("AVX10", 3), ("AVX512_CORE_AMX", 3), ("AVX512_CORE_FP16", 2), ("AVX512_CORE_BF16", 2),
          ("AVX512_CORE_VNNI", 1), ("AVX512_CORE", 1), ("AVX2", 0), ("", -1)]
 
 

@@ -13,8 +13,10 @@
 // only). Rows are tiled ROWS at a time, so a 4-row verify reads each weight once, like a
 // 1-row decode: extra rows cost compute, not bandwidth.
 //
-// One source, compiled per ISA variant (OVERLAP_VARIANT): 2 = AVX512_BF16, 1 = AVX512F,
-// 0 = AVX2+FMA, -1 = portable scalar. Bit-identical across M within a variant, not across
+// One source, compiled per ISA variant (OVERLAP_VARIANT): 3 = AMX-BF16 tiles (Sapphire
+// Rapids and later: up to 16 rows x 16 outputs per tile instruction, each output accumulated
+// over k in order, rows independent), 2 = AVX512_BF16, 1 = AVX512F, 0 = AVX2+FMA,
+// -1 = portable scalar. Bit-identical across M within a variant, not across
 // variants (a machine runs one).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -24,13 +26,21 @@
 #if OVERLAP_VARIANT >= 0
 #include <immintrin.h>
 #endif
+#if OVERLAP_VARIANT == 3
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
 using bf16 = c10::BFloat16;
 constexpr int ROWS = 4;  // rows of x per register tile
 
-#if OVERLAP_VARIANT == 2
+#if OVERLAP_VARIANT == 3
+// AMX: the packed layout of variant 2 ([N/NB][K/2][NB][2], the VNNI pairs a B tile reads),
+// K padded to whole 32-element A tiles.
+constexpr int VEC = 16, VECS = 4, KSTEP = 32;
+#elif OVERLAP_VARIANT == 2
 // Packed [N/NB][K/2][NB][2]: a k pair of NB outputs is one 64-byte vector per 16 outputs.
 constexpr int VEC = 16, VECS = 4, KSTEP = 2;
 using Acc = __m512;
@@ -83,6 +93,7 @@ constexpr int NB = VEC * VECS;  // outputs per column block
 
 inline int64_t padded_k(int64_t k) { return (k + KSTEP - 1) / KSTEP * KSTEP; }
 
+#if OVERLAP_VARIANT != 3
 // Rows r0..r0+R of x against column block b: R x VECS accumulators in registers.
 template <int R, typename Out>
 inline void tile(const bf16* x, int64_t xk, const bf16* block, int64_t kp, const float* bias,
@@ -110,7 +121,73 @@ inline void tile(const bf16* x, int64_t xk, const bf16* block, int64_t kp, const
       y[(r0 + r) * n + c0 + c] = Out(s);
     }
 }
+#endif
 
+#if OVERLAP_VARIANT == 3
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {0};
+  uint16_t colsb[16] = {0};
+  uint8_t rows[16] = {0};
+};
+
+// tmm0-3: C (rows x 16 f32) for the block's 4 column groups; tmm4: A (rows x 32 bf16 of x);
+// tmm5: B (16 k pairs x 16 outputs, VNNI pairs).
+inline void configure(int rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 4; ++t) { cfg.rows[t] = rows; cfg.colsb[t] = 64; }
+  cfg.rows[4] = rows; cfg.colsb[4] = 64;
+  cfg.rows[5] = 16; cfg.colsb[5] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+template <typename Out>
+void run(const bf16* x, int64_t xk, const bf16* packed, int64_t kp, const float* bias, Out* y,
+         int64_t m, int64_t n) {
+  const int64_t blocks = (n + NB - 1) / NB;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float c[16][16];
+    int configured = 0;
+    for (int64_t b = b0; b < b1; ++b) {
+      const bf16* block = packed + b * kp * NB;
+      for (int64_t r0 = 0; r0 < m; r0 += 16) {
+        const int rows = int(std::min<int64_t>(16, m - r0));
+        if (rows != configured) { configure(rows); configured = rows; }
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t k = 0; k < kp; k += 32) {
+          _tile_loadd(4, x + r0 * xk + k, xk * 2);
+          const bf16* wk = block + (k / 2) * NB * 2;  // 16 k pairs x NB outputs x 2
+          _tile_loadd(5, wk + 0 * 32, NB * 4); _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(5, wk + 1 * 32, NB * 4); _tile_dpbf16ps(1, 4, 5);
+          _tile_loadd(5, wk + 2 * 32, NB * 4); _tile_dpbf16ps(2, 4, 5);
+          _tile_loadd(5, wk + 3 * 32, NB * 4); _tile_dpbf16ps(3, 4, 5);
+        }
+        for (int g = 0; g < 4; ++g) {
+          switch (g) {  // tile ids are immediates
+            case 0: _tile_stored(0, c, 64); break;
+            case 1: _tile_stored(1, c, 64); break;
+            case 2: _tile_stored(2, c, 64); break;
+            default: _tile_stored(3, c, 64); break;
+          }
+          const int64_t c0 = b * NB + g * 16, cols = std::min<int64_t>(16, n - c0);
+          for (int r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < cols; ++j) {
+              float s = c[r][j];
+              if (bias) s += bias[c0 + j];
+              y[(r0 + r) * n + c0 + j] = Out(s);
+            }
+        }
+      }
+    }
+    if (configured) _tile_release();
+  });
+}
+
+// Linux hands out AMX tile state only on request, once per process.
+const bool amx_permitted = [] {
+  constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}();
+#else
 template <typename Out>
 void run(const bf16* x, int64_t xk, const bf16* packed, int64_t kp, const float* bias, Out* y,
          int64_t m, int64_t n) {
@@ -130,19 +207,24 @@ void run(const bf16* x, int64_t xk, const bf16* packed, int64_t kp, const float*
     }
   });
 }
+#endif
 
 }  // namespace
 
 // weight [N, K] bf16 → the packed layout of this variant, as a flat bf16 tensor:
 // [ceil(N/NB)][padded K / KSTEP][NB][KSTEP], zero-padded (padding adds exact zeros).
 torch::Tensor pack_weight(torch::Tensor weight) {
+#if OVERLAP_VARIANT == 3
+  TORCH_CHECK(amx_permitted, "overlap linear_bf16: the kernel asked Linux for AMX tile state and was refused");
+#endif
   TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.dim() == 2, "pack_weight: bf16 [N, K]");
   const int64_t n = weight.size(0), k = weight.size(1), kp = padded_k(k);
   const int64_t blocks = (n + NB - 1) / NB;
   auto w = torch::zeros({blocks * NB, kp}, weight.options());
   w.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
-  // [blocks, NB, kp/KSTEP, KSTEP] → [blocks, kp/KSTEP, NB, KSTEP]
-  return w.view({blocks, NB, kp / KSTEP, KSTEP}).permute({0, 2, 1, 3}).contiguous().view({-1});
+  // [blocks, NB, kp/PAIR, PAIR] → [blocks, kp/PAIR, NB, PAIR] (PAIR: k values per lane)
+  constexpr int PAIR = KSTEP == 1 ? 1 : 2;
+  return w.view({blocks, NB, kp / PAIR, PAIR}).permute({0, 2, 1, 3}).contiguous().view({-1});
 }
 
 // x [M, K] bf16, packed = pack_weight(weight [N, K]) → [M, N] in bf16, or f32 when out_float
