@@ -147,19 +147,22 @@ def plot(report: dict, path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for i, (batch, costs) in enumerate(report["target"].items()):
-        color = f"C{i}"
-        ax.plot(list(costs), list(costs.values()), "o-", color=color, label=f"target, batch {batch}")
-        for name, style in (("head", "--"), ("draft", ":")):
-            ax.axhline(report[name][batch], color=color, linestyle=style, linewidth=1,
-                       label=f"{name} step, batch {batch}")
-    ax.set_xlabel("rows per sequence (q = k+1 or tree size)")
-    ax.set_ylabel("ms per step")
-    ax.set_title(f"step cost at context {report['context']} ({report['machine']['kernels']})")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    # One panel per batch size: batch 8 costs several times batch 1, and on one axis the
+    # batch-1 curve (the one speculation at low load lives on) would look flat.
+    fig, axes = plt.subplots(1, len(report["target"]), figsize=(11, 4.2), squeeze=False)
+    for ax, (batch, costs) in zip(axes[0], report["target"].items()):
+        ax.plot([int(r) for r in costs], list(costs.values()), "o-", color="C0", label="target step")
+        for name, style, color in (("head", "--", "C1"), ("draft", ":", "C2")):
+            ax.axhline(report[name][batch], color=color, linestyle=style,
+                       label=f"{name} step ({report[name + '_fraction'][batch]:.2f} of a 1-row target step)")
+        ax.set_title(f"batch {batch}")
+        ax.set_xlabel("rows per sequence (q = k+1 or tree size)")
+        ax.set_ylabel("ms per step")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle(f"step cost at context {report['context']} ({report['machine']['cpu']}, "
+                 f"kernels {report['machine']['kernels']})", fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
