@@ -68,8 +68,8 @@ def _library():
         print(f"overlap: compiling the CPU kernels ({name}; once per machine, about a minute)", file=sys.stderr, flush=True)
     lib = cpp_extension.load(
         name=f"overlap_kernels_{name}", sources=SOURCES,
-        extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", f"-DOVERLAP_VARIANT={variant}", *flags],
-        extra_ldflags=["-fopenmp"], verbose=False)
+        extra_cflags=["-O3", "-ffp-contract=off", f"-DOVERLAP_VARIANT={variant}", *flags],
+        extra_ldflags=["-lpthread"], verbose=False)
     assert lib.variant() == variant
     return lib
 

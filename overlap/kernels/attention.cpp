@@ -9,6 +9,7 @@
 // paged pool through the page table.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "pool.h"
 #include <c10/util/BFloat16.h>
 #include <cmath>
 #include <limits>
@@ -51,7 +52,7 @@ void run(const T* q, const T* kc, const T* vc, T* out, const int32_t* q_start,
       task_row.push_back(r);
     }
   const int64_t tasks = int64_t(task_seq.size()) * kv_heads;
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
+  overlap::parallel_for(tasks, 2, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores, qf, acc, max_s, total, kf(dim), vf(dim);
     std::vector<int64_t> visible_end;
     for (int64_t t = t0; t < t1; ++t) {

@@ -9,6 +9,7 @@
 // transformers' bf16 module semantics: normalise in f32, round, scale in bf16.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "pool.h"
 #include <c10/util/BFloat16.h>
 #include <cmath>
 
@@ -48,7 +49,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   auto xp = reinterpret_cast<const bf16*>(x.data_ptr());
   auto wp = reinterpret_cast<const bf16*>(weight.data_ptr());
   auto op = reinterpret_cast<bf16*>(out.data_ptr());
-  at::parallel_for(0, t, 16, [&](int64_t r0, int64_t r1) {
+  overlap::parallel_for(t, 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> row(h);
     for (int64_t r = r0; r < r1; ++r) {
       for (int64_t i = 0; i < h; ++i) row[i] = float(xp[r * h + i]);
@@ -66,7 +67,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   auto out = torch::empty({t, inter}, gate_up.options());
   auto gp = reinterpret_cast<const bf16*>(gate_up.data_ptr());
   auto op = reinterpret_cast<bf16*>(out.data_ptr());
-  at::parallel_for(0, t, 4, [&](int64_t r0, int64_t r1) {
+  overlap::parallel_for(t, 4, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const bf16* g = gp + r * 2 * inter;
       const bf16* u = g + inter;
@@ -90,7 +91,7 @@ void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t ro
   auto xp = reinterpret_cast<bf16*>(qkv.data_ptr());
   auto cp = reinterpret_cast<const bf16*>(cos.data_ptr());
   auto sp = reinterpret_cast<const bf16*>(sin.data_ptr());
-  at::parallel_for(0, t, 8, [&](int64_t r0, int64_t r1) {
+  overlap::parallel_for(t, 8, [&](int64_t r0, int64_t r1) {
     std::vector<float> x(head_dim);
     for (int64_t r = r0; r < r1; ++r) {
       const bf16* c = cp + r * head_dim;

@@ -20,6 +20,7 @@
 // variants (a machine runs one).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include "pool.h"
 #include <c10/util/BFloat16.h>
 #include <cmath>
 #include <cstring>
@@ -144,7 +145,7 @@ template <typename Out>
 void run(const bf16* x, int64_t xk, const bf16* packed, int64_t kp, const float* bias, Out* y,
          int64_t m, int64_t n) {
   const int64_t blocks = (n + NB - 1) / NB;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  overlap::parallel_for(blocks, 2, [&](int64_t b0, int64_t b1) {
     alignas(64) float c[16][16];
     int configured = 0;
     for (int64_t b = b0; b < b1; ++b) {
@@ -193,7 +194,7 @@ void run(const bf16* x, int64_t xk, const bf16* packed, int64_t kp, const float*
          int64_t m, int64_t n) {
   const int64_t blocks = (n + NB - 1) / NB;
   // Threads split column blocks only, never k: no split can change a reduction order.
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  overlap::parallel_for(blocks, 2, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const bf16* block = packed + b * kp * NB;
       int64_t r = 0;
