@@ -180,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "the table, --json writes it, --plot draws ms vs rows")
     bench.add_argument("--context", type=_positive_int, default=256, metavar="N",
                        help="with --step-costs: cached tokens per sequence (default: 256)")
-    bench.add_argument("--plot", metavar="OUT.png", help="with --step-costs: write a PNG plot there")
+    bench.add_argument("--plot", metavar="OUT.png",
+                       help="write a PNG: tok/s vs concurrency per mode and acceptance per position (with "
+                            "--step-costs: ms vs rows per sequence)")
     _add_engine_options(bench)
 
     srv = sub.add_parser("serve", help="run the server: tokenizer, scheduler and executor processes")
@@ -452,6 +454,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         write_report(report, args.json)
         print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        from runtime.bench_plot import plot_report
+
+        plot_report(report, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
 

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+import overlap  # noqa: E402,F401  (before torch loads: its OpenMP wait policy, see overlap/__init__.py)
+
 # Never reach for a model hub, in any test.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
