@@ -33,6 +33,7 @@ def plot_report(report: dict, path: str | Path) -> None:
     speed.set_ylabel("output tokens/s")
     speed.set_ylim(bottom=0)
     speed.set_title("throughput")
+    accept.xaxis.get_major_locator().set_params(integer=True)
     accept.set_xlabel("draft position")
     accept.set_ylabel("accepted share")
     accept.set_ylim(0, 1)

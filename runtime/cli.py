@@ -269,7 +269,7 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
         raise ValueError("--num-spec-tokens does not apply to --spec eagle: a tree step verifies --tree-tokens "
                          "nodes (shape the tree with --tree-depth, --tree-topk, --tree-tokens); in bench, give "
                          "a chain mode its own K instead (mtp:3)")
-    if config.spec.draft_vocab and (config.spec.draft_vocab < 0 or config.spec.method not in ("mtp", "eagle")):
+    if config.spec.draft_vocab and (config.spec.draft_vocab < 0 or config.spec.method in ("draft", "ngram")):
         raise ValueError(f"--draft-vocab {config.spec.draft_vocab}: give a positive N, with --spec mtp or eagle "
                          "(the draft model carries its own trimmed vocabulary)")
     check_device(config.device, config.attention_backend)  # before any model loads
