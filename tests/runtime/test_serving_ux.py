@@ -260,7 +260,8 @@ class Server:
 
 @pytest.mark.slow
 def test_server_logs_each_request_and_its_throughput_and_log_level_silences_them(tiny_dirs):
-    server = Server(tiny_dirs, "--stats-interval", "0.2")
+    # A short interval: with the tiny model 64 tokens take ~0.2 s, and a line needs a full interval.
+    server = Server(tiny_dirs, "--stats-interval", "0.02")
     try:
         r = overlap("generate", "def fibonacci(n):", "--server", server.address, "--max-tokens", "64")
         assert r.returncode == 0, r.stderr
