@@ -92,8 +92,8 @@ class Speculation(msgspec.Struct, forbid_unknown_fields=True):
     num_spec_tokens: int | None = None
 
 
-class CompletionBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    prompt: Any = None
+class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The fields both endpoints share (OpenAI's, then overlap's extensions)."""
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -103,40 +103,28 @@ class CompletionBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict | None = None
+    user: str | None = None
+    top_k: int | None = None  # extension
+    ignore_eos: bool = False  # extension
+    speculation: Speculation | None = None  # extension
+
+
+class CompletionBody(_Body, forbid_unknown_fields=True, kw_only=True):
+    prompt: Any = None
     best_of: int | None = None
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict | None = None
-    user: str | None = None
-    top_k: int | None = None  # extension
-    ignore_eos: bool = False  # extension
-    speculation: Speculation | None = None  # extension
 
 
-class ChatBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class ChatBody(_Body, forbid_unknown_fields=True, kw_only=True):
     messages: Any = None
-    model: str | None = None
-    max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict | None = None
-    user: str | None = None
-    top_k: int | None = None  # extension
-    ignore_eos: bool = False  # extension
-    speculation: Speculation | None = None  # extension
 
 
 class ApiError(Exception):
