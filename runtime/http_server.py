@@ -708,34 +708,11 @@ class _ChildServer(uvicorn.Server):
 def run_http_process(server: str, listen: str, token: str | None, daemon_address: str | None,
                      log_level: str = "INFO") -> None:
     """The HTTP server as a child of the daemon (`overlap serve --http PORT`)."""
-    import uvloop
-    import zmq
+    from runtime.procs import run_listening_child
 
-    from runtime.procs import become_child, report_fatal, report_ready
+    async def serve(host: str, port: int, ready: asyncio.Future) -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)  # from the daemon: a graceful stop
+        await run_http(server, host, port, token, ready, stop)
 
-    log_ = become_child("http", log_level)
-    ctx = zmq.Context()
-
-    async def main() -> None:
-        host, port = parse_listen(listen)
-        loop = asyncio.get_running_loop()
-        ready, stop = loop.create_future(), asyncio.Event()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)  # from the daemon: a graceful stop
-        serving = asyncio.create_task(run_http(server, host, port, token, ready, stop))
-        done, _ = await asyncio.wait([serving, ready], return_when=asyncio.FIRST_COMPLETED)
-        if serving in done:
-            serving.result()
-        if daemon_address:
-            report_ready(ctx, daemon_address, "http", f"http://{host}:{ready.result()}/v1")
-        await serving
-
-    try:
-        uvloop.run(main())
-    except SystemExit:
-        pass
-    except BaseException as e:  # noqa: BLE001
-        if daemon_address:
-            report_fatal(ctx, [daemon_address], "http", e, log_)
-        raise SystemExit(1) from None
-    finally:
-        ctx.destroy(linger=0)
+    run_listening_child("http", listen, parse_listen, serve, "http://{host}:{port}/v1", daemon_address, log_level)

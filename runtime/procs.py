@@ -78,6 +78,45 @@ def report_fatal(ctx: zmq.Context, addresses: list[str], role: str, error: BaseE
         sock.close(linger=1000)
 
 
+def run_listening_child(role: str, listen: str, parse, serve, endpoint: str, daemon_address: str | None,
+                        log_level: str = "INFO") -> None:
+    """A listening child of the daemon (the websocket bridge, the HTTP server), run to its end.
+
+    parse(listen) → (host, port); serve(host, port, ready) is the server coroutine, which
+    resolves `ready` with the bound port once it listens. The daemon then hears Ready with
+    endpoint.format(host=..., port=...), or a FatalError with what stopped the server (a bad
+    address, a port taken, a crash), and this process exits 1.
+    """
+    import asyncio
+
+    import uvloop
+
+    log_ = become_child(role, log_level)
+    ctx = zmq.Context()
+
+    async def main() -> None:
+        host, port = parse(listen)
+        ready = asyncio.get_running_loop().create_future()
+        serving = asyncio.create_task(serve(host, port, ready))
+        done, _ = await asyncio.wait([serving, ready], return_when=asyncio.FIRST_COMPLETED)
+        if serving in done:
+            serving.result()  # failed to start: raise why
+        if daemon_address:
+            report_ready(ctx, daemon_address, role, endpoint.format(host=host, port=ready.result()))
+        await serving
+
+    try:
+        uvloop.run(main())
+    except SystemExit:
+        pass
+    except BaseException as e:  # noqa: BLE001
+        if daemon_address:
+            report_fatal(ctx, [daemon_address], role, e, log_)
+        raise SystemExit(1) from None
+    finally:
+        ctx.destroy(linger=0)
+
+
 @dataclass(frozen=True)
 class ServeSpec:
     """What the daemon hands each child process (pickled by multiprocessing at spawn)."""

@@ -291,32 +291,9 @@ def parse_listen(listen: str) -> tuple[str, int]:
 def run_bridge_process(server: str, listen: str, token: str | None, daemon_address: str | None,
                        log_level: str = "INFO") -> None:
     """The bridge as a child of the daemon (`overlap serve --ws PORT`)."""
-    import uvloop
-    import zmq
+    from runtime.procs import run_listening_child
 
-    from runtime.procs import become_child, report_fatal, report_ready
+    def serve(host: str, port: int, ready: asyncio.Future):
+        return run_bridge(server, host, port, token, ready)
 
-    log_ = become_child("bridge", log_level)
-    ctx = zmq.Context()
-
-    async def main() -> None:
-        host, port = parse_listen(listen)
-        ready = asyncio.get_running_loop().create_future()
-        serving = asyncio.create_task(run_bridge(server, host, port, token, ready))
-        done, _ = await asyncio.wait([serving, ready], return_when=asyncio.FIRST_COMPLETED)
-        if serving in done:
-            serving.result()  # failed to start: raise why
-        if daemon_address:
-            report_ready(ctx, daemon_address, "bridge", f"ws://{host}:{ready.result()}/")
-        await serving
-
-    try:
-        uvloop.run(main())
-    except SystemExit:
-        pass
-    except BaseException as e:  # noqa: BLE001
-        if daemon_address:
-            report_fatal(ctx, [daemon_address], "bridge", e, log_)
-        raise SystemExit(1) from None
-    finally:
-        ctx.destroy(linger=0)
+    run_listening_child("bridge", listen, parse_listen, serve, "ws://{host}:{port}/", daemon_address, log_level)
