@@ -38,13 +38,13 @@ from overlap.kv import KVPool, slot_mapping
 from overlap.models.heads import load_head
 from overlap.models.llama import LlamaModel
 from overlap.sampling import SamplingTensors, probabilities, sample
-from overlap.spec.base import CatchUp, Proposal, Proposer
-from overlap.spec.draft_target import DraftTargetProposer, load_draft
-from overlap.spec.eagle import DynamicEagleProposer, EagleProposer
-from overlap.spec.mtp import MTPProposer
-from overlap.spec.ngram import NgramProposer
-from overlap.spec.rejection import verify_chain, verify_greedy
-from overlap.spec.tree import TreeShape, verify_tree
+from overlap.speculative.base import CatchUp, Proposal, Proposer
+from overlap.speculative.draft_target import DraftTargetProposer, load_draft
+from overlap.speculative.eagle import DynamicEagleProposer, EagleProposer
+from overlap.speculative.mtp import MTPProposer
+from overlap.speculative.ngram import NgramProposer
+from overlap.speculative.rejection import verify_chain, verify_greedy
+from overlap.speculative.tree import TreeShape, verify_tree
 
 
 log = logging.getLogger("overlap.executor")
@@ -519,7 +519,7 @@ class Executor:
         self._publish(into, launched, copy)  # the host waits only for this copy
         if into.drafter_done:
             # MTP k = 1: the head's re-run is queued right here, behind verification, with the
-            # verify pass's own batch info; no host sync in between (overlap/spec/mtp.py).
+            # verify pass's own batch info; no host sync in between (overlap/speculative/mtp.py).
             meta = step.meta if step.meta is not None else \
                 self.backend.plan(step.attn, self.kv.page_size, *self._attn_dims)
             self.proposer.rerun_fixed([s.seq_id for s in seqs], tokens, accepted, hidden, step.positions,

@@ -201,7 +201,7 @@ def _sharded_mtp(config, model):
         return None
     from overlap.attention import make_backend
     from overlap.models.tp import load_head_sharded
-    from overlap.spec.mtp import MTPProposer
+    from overlap.speculative.mtp import MTPProposer
 
     return MTPProposer(load_head_sharded(config.spec.head, model), make_backend(config.attention_backend, config.device),
                        config.cache.num_pages, config.cache.page_size)
@@ -241,7 +241,7 @@ class SharedProposals:
         self.bytes_sent = 0
 
     def share(self, proposal):
-        from overlap.spec.base import Proposal
+        from overlap.speculative.base import Proposal
 
         # vocab 0: no q tensor (one-hot drafts at the tokens, or greedy drafts)
         vocab = 0 if proposal.probs is None else proposal.probs.shape[-1]
@@ -257,7 +257,7 @@ class SharedProposals:
         return Proposal(proposal.tokens, proposal.probs, proposal.num_drafts)
 
     def receive(self):
-        from overlap.spec.base import Proposal
+        from overlap.speculative.base import Proposal
 
         n = torch.zeros(1, dtype=torch.long)
         dist.broadcast(n, src=0, group=self.group)

@@ -64,7 +64,7 @@ def measure(model: LlamaModel, config: EngineConfig = EngineConfig(), context: i
             repeats: int = 7, head_dir=None, draft_dir=None, progress=None) -> dict:
     """The report: target ms per (batch, rows), head and draft-model ms per batch, ratios."""
     from overlap.models.heads import load_head
-    from overlap.spec.draft_target import load_draft
+    from overlap.speculative.draft_target import load_draft
 
     page = config.cache.page_size
     backend = make_backend(config.attention_backend, config.device)

@@ -102,7 +102,7 @@ def parse_args(argv=None):
     ap.add_argument("--eval-k", type=int, default=3, help="chain length of the held-out evaluation")
     ap.add_argument("--engine-validate", type=int, default=0,
                     help="after export, run this many held-out chat prompts through the engine "
-                         "(needs overlap.spec.mtp)")
+                         "(needs overlap.speculative.mtp)")
     ap.add_argument("--device", default="cpu", metavar="cpu|cuda[:N]",
                     help="where the --engine-validate engine runs (training itself runs on the CPU)")
     ap.add_argument("--attention-backend", default="auto", choices=("auto", "reference", "flashinfer"),
@@ -431,9 +431,9 @@ def validate_with_engine(head_dir, prompts: list[str], k: int = 3, model: str | 
     """Greedy generation through the real engine with the MTP proposer: acceptance length and
     per-position acceptance from the requests' stats (runtime.bench.acceptance)."""
     try:
-        import overlap.spec.mtp  # noqa: F401
+        import overlap.speculative.mtp  # noqa: F401
     except ImportError as exc:
-        raise NotImplementedError("engine validation needs the MTP proposer (overlap.spec.mtp)") from exc
+        raise NotImplementedError("engine validation needs the MTP proposer (overlap.speculative.mtp)") from exc
     from overlap.config import EngineConfig, SpecConfig
     from runtime.bench import acceptance
     from runtime.engine import Engine

@@ -26,7 +26,7 @@ from overlap.attention import SeqAttention, make_backend  # noqa: E402
 from overlap.attention.base import tree_mask_from_parents  # noqa: E402
 from overlap.models.llama import load_llama  # noqa: E402
 from overlap.models.loading import resolve_model_dir  # noqa: E402
-from overlap.spec.tree import TreeShape  # noqa: E402
+from overlap.speculative.tree import TreeShape  # noqa: E402
 
 
 def time_pass(model, backend, kv, seqs, ids, positions, repeats: int, sync) -> float:

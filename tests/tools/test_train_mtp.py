@@ -125,8 +125,8 @@ def test_no_norms_ablation_trains(setup):
 
 
 def test_engine_validation_hook_needs_the_mtp_proposer(setup, monkeypatch):
-    monkeypatch.setitem(sys.modules, "overlap.spec.mtp", None)  # as if the module did not exist
-    with pytest.raises(NotImplementedError, match="overlap.spec.mtp"):
+    monkeypatch.setitem(sys.modules, "overlap.speculative.mtp", None)  # as if the module did not exist
+    with pytest.raises(NotImplementedError, match="overlap.speculative.mtp"):
         train_mtp.validate_with_engine(setup[0] / "trained", ["hi"])
 
 

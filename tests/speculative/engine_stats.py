@@ -18,7 +18,7 @@ from overlap.batch import SeqWork
 from overlap.sampling import SamplingTensors, probabilities
 from runtime.engine import Engine
 from runtime.messages import SamplingParams
-from spec.markov import assert_law
+from speculative.markov import assert_law
 
 PROMPT = [1, 4, 3, 5, 0]
 _LAWS: dict = {}  # (model dir, sampling, length) → exact law, shared by the engine test files

@@ -22,7 +22,7 @@ from overlap.device import upload
 from overlap.graphs import GraphRunner
 from overlap.models.llama import LlamaModel, logits_linear
 from overlap.sampling import SamplingTensors, draw_draft
-from overlap.spec.base import CatchUp, Proposal
+from overlap.speculative.base import CatchUp, Proposal
 
 
 class DraftModel:

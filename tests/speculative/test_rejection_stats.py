@@ -11,7 +11,7 @@ joint, each token, each neighbour pair) with Bonferroni, ALPHA = 1e-3 per assert
 False-failure rate: all noise is counter-based and keyed by the fixed row seeds, so every test is
 deterministic. Were the seeds drawn at random, a correct verifier would fail an assert_law with
 probability at most ALPHA. The power tests at the end run the same sample sizes through broken
-verifiers (spec/doubles.py, at every depth or only at depth K) and show the same test rejects
+verifiers (speculative/doubles.py, at every depth or only at depth K) and show the same test rejects
 them with p-values far below ALPHA / m.
 """
 
@@ -30,8 +30,8 @@ import pytest  # noqa: E402
 from markov import assert_law, exact_joint, law_rejected, simulate  # noqa: E402
 
 from overlap.sampling import NOISE_ACCEPT, NOISE_SAMPLE, SamplingTensors, probabilities, race, sample, uniform_noise  # noqa: E402,E501
-from overlap.spec.rejection import verify_chain  # noqa: E402
-from overlap.spec.tree import TreeShape, verify_tree  # noqa: E402
+from overlap.speculative.rejection import verify_chain  # noqa: E402
+from overlap.speculative.tree import TreeShape, verify_tree  # noqa: E402
 
 V = 6
 K = 4  # max drafts per step; rows draw k_b in 0..K each step

@@ -1,8 +1,8 @@
-"""Tree verification (overlap/spec/tree.py) on toy targets with a known joint distribution:
+"""Tree verification (overlap/speculative/tree.py) on toy targets with a known joint distribution:
 several children per node, top-K (one-hot) drafts, duplicated candidates, depth 3 (the bonus
 after a depth-3 leaf), greedy. The law of depth + 1 tokens (the longest a step emits) is
 checked by markov.assert_law (alpha = markov.ALPHA per test), and broken walks
-(spec/doubles.py) are rejected by the same test and sample size."""
+(speculative/doubles.py) are rejected by the same test and sample size."""
 
 import functools
 import itertools
@@ -10,9 +10,9 @@ import itertools
 import pytest
 import torch
 
-from overlap.spec.tree import TreeShape, children_table, verify_tree
-from spec import doubles
-from spec.markov import assert_law, law_rejected
+from overlap.speculative.tree import TreeShape, children_table, verify_tree
+from speculative import doubles
+from speculative.markov import assert_law, law_rejected
 
 VOCAB = 4
 ROWS = 40000

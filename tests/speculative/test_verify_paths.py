@@ -4,7 +4,7 @@ compare, no probabilities) and one-hot drafts passed as probs=None (no [B, K, V]
 import torch
 
 from overlap.sampling import SamplingTensors, probabilities
-from overlap.spec.rejection import verify_chain, verify_greedy
+from overlap.speculative.rejection import verify_chain, verify_greedy
 
 
 def _case(seed, b=6, k=4, vocab=7):

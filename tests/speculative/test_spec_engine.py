@@ -12,9 +12,9 @@ from overlap.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfi
 from overlap.kv import slot_mapping
 from runtime.engine import Engine
 from runtime.messages import SamplingParams
-from spec.doubles import patch_verifier
-from spec.engine_stats import check_engine_law, exact_law, sample
-from spec.markov import law_rejected
+from speculative.doubles import patch_verifier
+from speculative.engine_stats import check_engine_law, exact_law, sample
+from speculative.markov import law_rejected
 
 
 def engine(tiny_dirs, method="none", draft="draft", target="target", k=3, page_size=16,
@@ -109,7 +109,7 @@ def test_draft_kv_equals_running_draft_from_scratch(tiny_dirs):
 
 # ---------------------------------------------------------------------------- distribution
 # The first k+2 generated tokens (the prefill's, k drafts, the bonus after the k-th) against their
-# exact law, on the vocab-6 tiny models (spec/engine_stats.py); alpha = markov.ALPHA per test.
+# exact law, on the vocab-6 tiny models (speculative/engine_stats.py); alpha = markov.ALPHA per test.
 
 # Power (noncentral chi-square at the observed statistics, alpha 1e-3 with Bonferroni): 4000
 # samples detect the broken verifiers below at every depth with power ~1; a bug at depth 3 only

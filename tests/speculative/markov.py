@@ -15,7 +15,7 @@ engine does (DESIGN.md §3), for thousands of independent requests at once, one 
 Rows draw different k_b (0 .. K) per step, so each verify call is ragged. Draft columns past k_b
 are padding, filled with junk (random distributions and tokens; finite, since a NaN would hide a
 read through failed comparisons), so a verifier that reads them yields a wrong distribution.
-The verifier is passed in (`verify`, default overlap.spec.rejection.verify_chain), so tree
+The verifier is passed in (`verify`, default overlap.speculative.rejection.verify_chain), so tree
 verification can reuse the loop with its own adapter.
 """
 
@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from overlap.sampling import NOISE_DRAFT, race
-from overlap.spec.rejection import verify_chain
+from overlap.speculative.rejection import verify_chain
 
 Verify = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 

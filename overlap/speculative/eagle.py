@@ -29,8 +29,8 @@ from overlap.batch import SeqWork
 from overlap.device import upload
 from overlap.models.heads import MTPHead
 from overlap.sampling import SamplingTensors
-from overlap.spec.mtp import MTPProposer
-from overlap.spec.tree import TreeShape
+from overlap.speculative.mtp import MTPProposer
+from overlap.speculative.tree import TreeShape
 
 
 class EagleProposer(MTPProposer):

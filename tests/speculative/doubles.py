@@ -1,6 +1,6 @@
 """Broken verifiers: test doubles that show the statistical tests have power.
 
-Each is a copy of the real verifier (overlap/spec/rejection.py, overlap/spec/tree.py) with one
+Each is a copy of the real verifier (overlap/speculative/rejection.py, overlap/speculative/tree.py) with one
 realistic bug switched on; with no bug switched on it is the real one, token for token
 (test_rejection_stats checks that), so a rejection of a broken one is due to its bug alone.
 
@@ -19,8 +19,8 @@ import functools
 import torch
 
 from overlap.sampling import NOISE_SAMPLE, NOISE_TREE, race, uniform_noise
-from overlap.spec.rejection import _position_uniforms
-from overlap.spec.tree import children_table
+from overlap.speculative.rejection import _position_uniforms
+from overlap.speculative.tree import children_table
 
 
 def verify_chain(target_probs, draft_probs, draft_tokens, num_drafts, seed, first_position, *,

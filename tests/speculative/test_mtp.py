@@ -14,8 +14,8 @@ from overlap.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfi
 from overlap.kv import slot_mapping
 from runtime.engine import Engine
 from runtime.messages import SamplingParams
-from spec.engine_stats import check_engine_law
-from spec.test_spec_engine import prompts
+from speculative.engine_stats import check_engine_law
+from speculative.test_spec_engine import prompts
 
 
 def engine(tiny_dirs, heads, method="mtp", k=1, target="target", page_size=16, num_pages=512, **sched):

@@ -35,7 +35,7 @@ from overlap.batch import SeqWork
 from overlap.device import upload
 from overlap.models.heads import MTPHead
 from overlap.sampling import SamplingTensors, draw_draft
-from overlap.spec.base import CatchUp, Proposal
+from overlap.speculative.base import CatchUp, Proposal
 
 
 class MTPProposer:

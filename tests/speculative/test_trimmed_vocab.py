@@ -12,8 +12,8 @@ from overlap.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfi
 from overlap.models.heads import load_head
 from runtime.engine import Engine
 from runtime.messages import SamplingParams
-from spec.engine_stats import check_engine_law
-from spec.test_spec_engine import prompts
+from speculative.engine_stats import check_engine_law
+from speculative.test_spec_engine import prompts
 
 
 def trimmed_head(head_dir, tmp_path, ranked: list[int]):

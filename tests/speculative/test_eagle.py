@@ -12,10 +12,10 @@ from overlap.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfi
 from overlap.kv import slot_mapping
 from runtime.engine import Engine
 from runtime.messages import SamplingParams
-from spec.doubles import patch_verifier
-from spec.engine_stats import check_engine_law, exact_law, sample
-from spec.markov import law_rejected
-from spec.test_spec_engine import prompts
+from speculative.doubles import patch_verifier
+from speculative.engine_stats import check_engine_law, exact_law, sample
+from speculative.markov import law_rejected
+from speculative.test_spec_engine import prompts
 
 
 def engine(tiny_dirs, heads, target="target", depth=3, topk=2, tokens=6, page_size=16, num_pages=512,

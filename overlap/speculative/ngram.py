@@ -14,7 +14,7 @@ from overlap.device import upload
 
 from overlap.batch import SeqWork
 from overlap.sampling import SamplingTensors
-from overlap.spec.base import CatchUp, Proposal
+from overlap.speculative.base import CatchUp, Proposal
 
 
 def lookup(history: list[int], k: int, n_min: int, n_max: int) -> list[int]:
