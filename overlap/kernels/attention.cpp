@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "pool.h"
+#include "fixed_exp.h"
 #include <c10/util/BFloat16.h>
 #include <cmath>
 #include <limits>
@@ -92,11 +93,18 @@ void run(const T* q, const T* kc, const T* vc, T* out, const int32_t* q_start,
         for (int64_t g = 0; g < group; ++g) {
           float* s = scores.data() + (ii * group + g) * span;
           float& m = max_s[ii * group + g];
+          if (!tree) {  // causal: the row sees keys 0 .. visible_end - 1, a plain loop
+            const int64_t end = visible_end[ii];
+            for (int64_t j = 0; j < end; ++j) m = std::max(m, s[j]);
+            for (int64_t j = 0; j < end; ++j) s[j] = overlap::fixed_exp(s[j] - m);
+            for (int64_t j = 0; j < end; ++j) total[ii * group + g] += s[j];
+            continue;
+          }
           for (int64_t j = 0; j < span; ++j)
             if (visible(ii, j)) m = std::max(m, s[j]);
           for (int64_t j = 0; j < span; ++j)
             if (visible(ii, j)) {
-              s[j] = std::exp(s[j] - m);
+              s[j] = overlap::fixed_exp(s[j] - m);
               total[ii * group + g] += s[j];
             }
         }

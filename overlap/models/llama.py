@@ -148,6 +148,9 @@ class LlamaModel(nn.Module):
             object.__setattr__(self, "embed_tokens", shared_embeddings.embed_tokens)
             object.__setattr__(self, "lm_head", shared_embeddings.lm_head)
         self.rope = RotaryTable(cfg, dtype, device)
+        # Decoder layers whose outputs forward returns instead of the final hidden (set by a
+        # multi-layer MTP / EAGLE-3 head's proposer; empty: the final hidden).
+        self.feature_layers: tuple[int, ...] = ()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -157,16 +160,29 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
                 kv: KVPool, meta: Any, logits_indices: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """input_ids, positions [T] i64 → (hidden [T, hidden] after the final norm,
-        logits [len(logits_indices), vocab] f32 or None)."""
+        """input_ids, positions [T] i64 → (hidden [T, hidden] after the final norm, or the
+        concatenated outputs of `feature_layers` when a head asked for them, and logits
+        [len(logits_indices), vocab] f32 or None)."""
+        hidden, taps = self.forward_states(input_ids, positions, backend, kv, meta, self.feature_layers)
+        # A head that reads several layers (EAGLE-3) gets them from this same pass: the
+        # returned states are its features, the logits still come from the final hidden.
+        states = torch.cat(taps, dim=-1) if taps else hidden
+        if logits_indices is None:
+            return states, None
+        return states, self.compute_logits(hidden[logits_indices])
+
+    def forward_states(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                       kv: KVPool, meta: Any, layers: tuple[int, ...] = ()
+                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(hidden [T, hidden] after the final norm, [output of decoder layer i, for i in layers])."""
         x = self.embed(input_ids)
         rope = self.rope.lookup(positions)
-        for layer in self.layers:
+        taps = []
+        for i, layer in enumerate(self.layers):
             x = layer(x, rope, backend, kv, meta)
-        hidden = self.norm(x)
-        if logits_indices is None:
-            return hidden, None
-        return hidden, self.compute_logits(hidden[logits_indices])
+            if i in layers:
+                taps.append(x)
+        return self.norm(x), taps
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] i64 → [T, hidden]."""
@@ -204,6 +220,11 @@ class LlamaModel(nn.Module):
                 layer.down_proj.copy_(sd[p + "mlp.down_proj.weight"])
                 layer.input_layernorm.weight.copy_(sd[p + "input_layernorm.weight"])
                 layer.post_attention_layernorm.weight.copy_(sd[p + "post_attention_layernorm.weight"])
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low, middle and high layers (outputs of layers 2, L/2 and L-3)."""
+    return tuple(sorted({min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0)}))
 
 
 def load_llama(model_dir, dtype: torch.dtype, device: torch.device | str = "cpu",
