@@ -11,6 +11,7 @@ other CPUs reach this kernel's variants too.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import sys
 from pathlib import Path
@@ -57,17 +58,28 @@ def choose_variant(flags: set[str], isa_cap: str | None) -> int:
     return best
 
 
+def _sources_digest() -> str:
+    digest = hashlib.sha1()
+    for path in sorted(Path(__file__).parent.glob("*.[ch]*")):  # .cpp and .h
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
 @functools.cache
 def _library():
     from torch.utils import cpp_extension
 
     variant = choose_variant(cpu_flags(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
     name, flags, _ = VARIANTS[variant]
-    build_dir = Path(cpp_extension._get_build_directory(f"overlap_kernels_{name}", False))
-    if not (build_dir / f"overlap_kernels_{name}.so").exists():
+    # The sources' hash in the module name: two checkouts with different kernels (a branch, a
+    # worktree, an upgrade) each keep their own build instead of rebuilding over each other.
+    module = f"overlap_kernels_{name}_{_sources_digest()}"
+    build_dir = Path(cpp_extension._get_build_directory(module, False))
+    if not (build_dir / f"{module}.so").exists():
         print(f"overlap: compiling the CPU kernels ({name}; once per machine, about a minute)", file=sys.stderr, flush=True)
     lib = cpp_extension.load(
-        name=f"overlap_kernels_{name}", sources=SOURCES,
+        name=module, sources=SOURCES,
         extra_cflags=["-O3", "-ffp-contract=off", f"-DOVERLAP_VARIANT={variant}", *flags],
         extra_ldflags=["-lpthread"], verbose=False)
     assert lib.variant() == variant
