@@ -636,6 +636,9 @@ def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | 
         if not spec.head:
             raise ValueError(f"spec method {spec.method!r} needs spec.head (an MTP head directory)")
         head = load_head(spec.head, model, draft_vocab=spec.draft_vocab)
+        # A multi-layer (EAGLE-3) head reads several target layers: the target's forward returns
+        # them from the same pass (no extra pass, no host copy), in place of its final hidden.
+        model.feature_layers = head.feature_layers
         backend = make_backend(config.attention_backend, config.device)
         pages = (config.cache.num_pages, config.cache.page_size)
         if spec.method == "mtp":

@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import chat_instructions  # noqa: E402
 from overlap.attention import ReferenceBackend, SeqAttention  # noqa: E402
 from overlap.models.heads import MTPHead, save_head  # noqa: E402
-from overlap.models.llama import LlamaModel, load_llama  # noqa: E402
+from overlap.models.llama import LlamaModel, default_feature_layers, load_llama  # noqa: E402
 from overlap.models.loading import load_tokenizer, resolve_model_dir  # noqa: E402
 
 PARTS = ("code", "chat", "gen_code")  # tools/distill_draft.py's parts
@@ -66,8 +66,17 @@ def parse_args(argv=None):
     ap.add_argument("--workdir", default="runs/mtp", help="cached hidden states and checkpoints")
     ap.add_argument("--no-norms", dest="norms", action="store_false",
                     help="original-EAGLE layout: no norms on the fuse inputs, no final norm")
+    ap.add_argument("--data", default=None, help="a data directory from tools/head_data.py (the full "
+                    "corpus with the target's states, memory-mapped) instead of the small built-in one")
     ap.add_argument("--windows", default=None, help='JSON {"train": [[ids]], "eval": [[ids]]}: '
                     "your own token windows instead of the built-in corpus")
+    ap.add_argument("--features", choices=("multi", "last"), default="multi",
+                    help="head input: the target's low/middle/high layer outputs (EAGLE-3, fused by a "
+                         "learned reduce) or its last hidden state (EAGLE-1/2, the ablation)")
+    ap.add_argument("--ttt-depth", type=int, default=3,
+                    help="training-time test: unroll the head this many steps on its own predicted "
+                         "features, a loss at every depth (1: teacher forcing only, the ablation)")
+    ap.add_argument("--depth-decay", type=float, default=0.8, help="loss weight of depth d: decay^(d-1)")
     # corpus (names as in distill_draft, whose builders are reused)
     ap.add_argument("--seq-len", type=int, default=256, help="head rows per training window")
     ap.add_argument("--max-train-tokens", type=int, default=150_000, help="stdlib code tokens")
@@ -86,7 +95,8 @@ def parse_args(argv=None):
                     help="head rows per window in a step: a random crop (0: all --seq-len)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=50)
-    ap.add_argument("--reg-weight", type=float, default=1.0, help="smooth-L1(head hidden, H_{j+1})")
+    ap.add_argument("--reg-weight", type=float, default=1.0,
+                    help="smooth-L1(head hidden, H_{j+d}); last-layer heads only (EAGLE-3 drops it)")
     ap.add_argument("--kl-weight", type=float, default=1.0, help="KL(target || head) next-token")
     ap.add_argument("--loss-vocab", type=int, default=8192,
                     help="the KL runs over this many most frequent training tokens (0: all); "
@@ -136,38 +146,65 @@ def part_settings(name: str, args, model_dir) -> dict:
 
 
 def load_parts(args, model_dir, target: LlamaModel, work: Path) -> dict:
-    """{(name, split): {"ids" [N] i32, "offsets" [W + 1] i64, "hidden" [N, hidden] bf16}}."""
+    """{(name, split): a part (ids, offsets, rows(start, n) -> (hidden, features))}: from a
+    tools/head_data.py directory (--data), or built here from the small built-in corpus or
+    --windows and cached in --workdir."""
+    if args.data:
+        from head_data import PARTS as DATA_PARTS, HeadData
+
+        parts = {(n, s): HeadData(args.data, n, s) for n in DATA_PARTS for s in ("train", "eval")}
+        return {key: part for key, part in parts.items() if len(part)}
     names = ("windows",) if args.windows else PARTS
     given = json.loads(Path(args.windows).read_text()) if args.windows else None
+    layers = default_feature_layers(target.cfg.num_layers)
     parts = {}
     for name in names:
-        settings = part_settings(name, args, model_dir)
+        settings = {**part_settings(name, args, model_dir), "feature_layers": list(layers)}
         for split in ("train", "eval"):
-            path = work / f"hidden_{name}_{split}.pt"
+            path = work / f"states_{name}_{split}.pt"
             data = torch.load(path) if path.exists() else None
             if data is None or data["settings"] != settings:
                 started = time.time()
                 windows = ([w[: args.seq_len + 1] for w in given[split]] if given
                            else corpus_windows(name, split, args, load_tokenizer(model_dir), target))
-                hidden = target_hidden(target, windows, args.precompute_batch, f"target hidden ({name}/{split})")
+                hidden, features = target_states(target, windows, args.precompute_batch, layers,
+                                                 f"target states ({name}/{split})")
                 lengths = torch.tensor([0] + [len(w) for w in windows])
                 data = {"settings": settings, "ids": torch.tensor([t for w in windows for t in w], dtype=torch.int32),
-                        "offsets": lengths.cumsum(0), "hidden": hidden, "seconds": time.time() - started}
+                        "offsets": lengths.cumsum(0), "hidden": hidden, "features": features,
+                        "seconds": time.time() - started}
                 tmp = path.with_suffix(".tmp")
                 torch.save(data, tmp)
                 tmp.replace(path)
-            parts[name, split] = data
+            parts[name, split] = MemoryPart(data)
     return parts
 
 
-# ---------------------------------------------------------------------------- 2. hidden
+class MemoryPart:
+    """A part held in memory (the built-in corpus and --windows): HeadData's interface."""
+
+    def __init__(self, data: dict):
+        self.ids, self.offsets = data["ids"].long(), data["offsets"]
+        self.hidden, self.features = data["hidden"], data["features"]
+        self.seconds = data.get("seconds", 0.0)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def rows(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.hidden[start: start + length], self.features[start: start + length]
+
+
+# ---------------------------------------------------------------------------- 2. states
 
 @torch.inference_mode()
-def target_hidden(target: LlamaModel, windows: list[list[int]], batch: int, desc: str) -> torch.Tensor:
-    """H [sum of lengths, hidden] bf16: the target's hidden after its final norm, every position
-    of every window (each window its own sequence from position 0), `batch` windows a forward."""
+def target_states(target: LlamaModel, windows: list[list[int]], batch: int, layers: tuple[int, ...],
+                  desc: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(H [sum of lengths, hidden], features [sum of lengths, len(layers) * hidden]) bf16: the
+    target's hidden after its final norm and the outputs of `layers`, every position of every
+    window (each its own sequence from position 0), `batch` windows a forward."""
     backend = ReferenceBackend()
-    out = []
+    hidden, features = [], []
     for i in tqdm(range(0, len(windows), batch), desc=desc):
         chunk = windows[i: i + batch]
         seqs, pages = [], 0
@@ -179,52 +216,71 @@ def target_hidden(target: LlamaModel, windows: list[list[int]], batch: int, desc
         meta = backend.plan(seqs, PAGE)
         ids = torch.tensor([t for w in chunk for t in w])
         positions = torch.cat([torch.arange(len(w)) for w in chunk])
-        hidden, _ = target(ids, positions, backend, kv, meta)
-        out.append(hidden.to(torch.bfloat16))
-    return torch.cat(out) if out else torch.zeros(0, target.cfg.hidden_size, dtype=torch.bfloat16)
+        h, taps = target.forward_states(ids, positions, backend, kv, meta, layers)
+        hidden.append(h.to(torch.bfloat16))
+        features.append(torch.cat(taps, -1).to(torch.bfloat16))
+    width = target.cfg.hidden_size
+    if not hidden:
+        return torch.zeros(0, width, dtype=torch.bfloat16), torch.zeros(0, len(layers) * width, dtype=torch.bfloat16)
+    return torch.cat(hidden), torch.cat(features)
 
 
 # ---------------------------------------------------------------------------- 3. train
 
 class Windows:
-    """Windows of several parts in flat tensors; `picks` lists window indices, repeated for
-    oversampling (the data itself is stored once)."""
+    """The windows of several parts; `picks` lists window indices, repeated for oversampling
+    (the data itself is stored once, memory-mapped for --data)."""
 
-    def __init__(self, parts: list[dict], weights: list[int], kinds: list[str]):
-        self.ids = torch.cat([p["ids"] for p in parts]).long()
-        self.hidden = torch.cat([p["hidden"] for p in parts])
-        self.spans, self.kinds, self.picks = [], [], []  # (start, length) per window
-        base = 0
-        for p, weight, kind in zip(parts, weights, kinds):
-            off = p["offsets"].tolist()
+    def __init__(self, parts: list, weights: list[int], kinds: list[str], multi: bool):
+        self.parts, self.multi = parts, multi
+        self.spans, self.kinds, self.picks = [], [], []  # (part, start, length) per window
+        for p, (part, weight, kind) in enumerate(zip(parts, weights, kinds)):
+            off = part.offsets.tolist()
             for a, b in zip(off[:-1], off[1:]):
                 self.picks += [len(self.spans)] * weight
-                self.spans.append((base + a, b - a))
+                self.spans.append((p, a, b - a))
                 self.kinds.append(kind)
-            base += off[-1]
 
-    def batch(self, step: int, size: int, rows: int, seed: int):
-        """Step `step`'s batch, a function of (seed, step) only: tokens [B, R] i64 (x_{j+1}),
-        h_in [B, R, hidden] (H_j), h_next [B, R, hidden] (H_{j+1}), positions [B, R] i64 (j),
-        mask [B, R] f32 (0 on padding at the end of short windows)."""
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(p.ids) for p in self.parts)
+
+    def token_counts(self, vocab: int) -> torch.Tensor:
+        return sum(torch.bincount(p.ids, minlength=vocab) for p in self.parts)
+
+    def window(self, w: int, start: int = 0, length: int | None = None):
+        """(ids [n] i64, hidden [n, H], head input states [n, W]) of window w, rows start.."""
+        p, a, n = self.spans[w]
+        length = n - start if length is None else length
+        part = self.parts[p]
+        hidden, features = part.rows(a + start, length)
+        return part.ids[a + start: a + start + length], hidden, (features if self.multi else hidden)
+
+    def batch(self, step: int, size: int, rows: int, depth: int, seed: int):
+        """Step `step`'s batch, a function of (seed, step) only: crops of rows + depth tokens,
+        tokens [B, L] i64 (x_i), states [B, L, W] (the head's input for row i), hidden [B, L, H]
+        (H_i: lm_head(H_i) is the target's distribution of x_{i+1}), positions [B, L] i64 and
+        valid [B, L] f32 (0 past the end of a short window); L = rows + depth."""
         gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-        hid = self.hidden.shape[1]
-        tokens = torch.zeros(size, rows, dtype=torch.long)
-        positions = torch.zeros(size, rows, dtype=torch.long)
-        h_in = torch.zeros(size, rows, hid, dtype=self.hidden.dtype)
-        h_next = torch.zeros_like(h_in)
-        mask = torch.zeros(size, rows)
-        for b, i in enumerate(torch.randint(len(self.picks), (size,), generator=gen).tolist()):
-            start, length = self.spans[self.picks[i]]
-            n = min(length - 1, rows)
-            a = int(torch.randint(length - n, (1,), generator=gen))  # crop offset in the window
-            s = start + a
-            tokens[b, :n] = self.ids[s + 1: s + 1 + n]
-            h_in[b, :n] = self.hidden[s: s + n]
-            h_next[b, :n] = self.hidden[s + 1: s + 1 + n]
-            positions[b, :n] = torch.arange(a, a + n)
-            mask[b, :n] = 1
-        return tokens, h_in, h_next, positions, mask
+        length = rows + depth
+        crops = []
+        for i in torch.randint(len(self.picks), (size,), generator=gen).tolist():
+            w = self.picks[i]
+            n = min(self.spans[w][2], length)
+            a = int(torch.randint(self.spans[w][2] - n + 1, (1,), generator=gen))  # crop offset
+            crops.append((w, a, n))
+        ids0, hid0, st0 = self.window(crops[0][0], crops[0][1], 1)
+        tokens = torch.zeros(size, length, dtype=torch.long)
+        positions = torch.zeros(size, length, dtype=torch.long)
+        hidden = torch.zeros(size, length, hid0.shape[1], dtype=hid0.dtype)
+        states = torch.zeros(size, length, st0.shape[1], dtype=st0.dtype)
+        valid = torch.zeros(size, length)
+        for b, (w, a, n) in enumerate(crops):
+            ids, hid, st = self.window(w, a, n)
+            tokens[b, :n], hidden[b, :n], states[b, :n] = ids, hid, st
+            positions[b] = torch.arange(a, a + length)
+            valid[b, :n] = 1
+        return tokens, states, hidden, positions, valid
 
 
 def init_head(head: MTPHead, target: LlamaModel, layer: int | None, seed: int) -> None:
@@ -240,32 +296,65 @@ def init_head(head: MTPHead, target: LlamaModel, layer: int | None, seed: int) -
             return
         eye = torch.eye(h)
         head.fuse.copy_(0.5 * torch.cat([eye, eye], 1) + 0.01 * torch.randn(h, 2 * h, generator=gen))
+        if head.feature_layers:  # start from the highest layer's features
+            parts = [torch.zeros(h, h)] * (len(head.feature_layers) - 1) + [eye]
+            head.reduce.copy_(torch.cat(parts, 1) + 0.01 * torch.randn(head.reduce.shape, generator=gen))
         src = target.layers[layer]
         for name, p in head.layer.named_parameters():
             p.copy_(src.get_parameter(name).float())
 
 
-def loss_terms(head: MTPHead, lm_rows: torch.Tensor, tokens, h_in, h_next, positions, mask, args):
-    """(loss, {reg, kl, acc}) of one batch: smooth-L1(g_j, H_{j+1}) + KL(p_target || p_head),
-    both distributions over the lm_head rows `lm_rows` [Vs, hidden] (the loss vocabulary: the
-    softmaxes over 49k columns, not the matmuls, dominate a CPU step)."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.fp32):
-        g, _ = head.forward_dense(tokens, h_in.float(), positions)
-        logits = F.linear(g, lm_rows)
+def loss_terms(head: MTPHead, lm_rows: torch.Tensor, batch, args):
+    """(loss, {reg, kl, acc, kl_d, acc_d}) of one batch, unrolled `--ttt-depth` steps
+    (EAGLE-3 / HASS training-time test).
+
+    Depth 1 is teacher forcing: row j reads (x_{j+1}, the target's states at j) at position j
+    and predicts x_{j+2}, whose target distribution is softmax(lm_head(H_{j+1})). Depth d > 1
+    reads (x_{j+d}, the head's OWN hidden from depth d-1) at position j+d-1, attending to
+    depth 1's keys of rows 0..j and its own chain's keys (forward_dense's `past`): exactly
+    what the runtime feeds a chain's d-th draft, so the head learns on the features it will
+    see, not only on the target's. Each depth adds KL(target || head) over the loss
+    vocabulary (lm_rows [Vs, hidden]) and, for a last-layer head, smooth-L1(g, H_{j+d}),
+    weighted decay^(d-1)."""
+    tokens, states, hidden, positions, valid = batch
+    depth = args.ttt_depth
+    rows = tokens.shape[1] - depth
+    h, past = states[:, :rows].float(), []
+    total, terms = 0.0, {}
+    for d in range(1, depth + 1):
+        tok, pos = tokens[:, d: d + rows], positions[:, d - 1: d - 1 + rows]
+        target_h, mask = hidden[:, d: d + rows].float(), valid[:, d: d + rows]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.fp32):
+            g, kv = head.forward_dense(tok, h, pos, past or None)
+            logits = F.linear(g, lm_rows)
+            with torch.no_grad():
+                t_logits = F.linear(target_h, lm_rows)
+        logq = torch.log_softmax(logits.float(), -1)
         with torch.no_grad():
-            t_logits = F.linear(h_next.float(), lm_rows)
-    logq = torch.log_softmax(logits.float(), -1)
-    with torch.no_grad():
-        logp = torch.log_softmax(t_logits.float(), -1)
-        p = logp.exp()
-    kl = (p * (logp - logq)).sum(-1)  # [B, R]
-    reg = F.smooth_l1_loss(g.float(), h_next.float(), reduction="none").mean(-1)
-    n = mask.sum().clamp_min(1)
-    loss = ((args.reg_weight * reg + args.kl_weight * kl) * mask).sum() / n
-    with torch.no_grad():
-        acc = ((logits.argmax(-1) == t_logits.argmax(-1)).float() * mask).sum() / n
-        terms = {"reg": float((reg * mask).sum() / n), "kl": float((kl * mask).sum() / n), "acc": float(acc)}
-    return loss, terms
+            logp = torch.log_softmax(t_logits.float(), -1)
+        kl = (logp.exp() * (logp - logq)).sum(-1)  # [B, R]
+        n = mask.sum().clamp_min(1)
+        loss_d = args.kl_weight * kl
+        if not head.feature_layers:
+            reg = F.smooth_l1_loss(g.float(), target_h, reduction="none").mean(-1)
+            loss_d = loss_d + args.reg_weight * reg
+            if d == 1:
+                terms["reg"] = float((reg * mask).sum() / n)
+        total = total + args.depth_decay ** (d - 1) * (loss_d * mask).sum() / n
+        with torch.no_grad():
+            acc = float(((logits.argmax(-1) == t_logits.argmax(-1)).float() * mask).sum() / n)
+        terms.update({f"kl{d}": float((kl * mask).sum() / n), f"acc{d}": acc})
+        past.append(kv)
+        h = g
+    terms.setdefault("reg", 0.0)
+    terms["kl"], terms["acc"] = terms["kl1"], terms["acc1"]
+    return total, terms
+
+
+def variant_name(args) -> str:
+    """norms | no_norms, + _last (last-layer input) and _ttt1 (no training-time test)."""
+    name = "norms" if args.norms else "no_norms"
+    return name + ("_last" if args.features == "last" else "") + ("" if args.ttt_depth > 1 else "_ttt1")
 
 
 def rows_per_window(args) -> int:
@@ -274,7 +363,7 @@ def rows_per_window(args) -> int:
 
 def train_signature(args) -> dict:
     keys = ("norms", "seq_len", "crop", "batch_size", "lr", "warmup", "steps", "reg_weight", "kl_weight",
-            "init_layer", "fp32", "seed", "self_weight", "loss_vocab")
+            "init_layer", "fp32", "seed", "self_weight", "loss_vocab", "features", "ttt_depth", "depth_decay", "data")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -282,8 +371,7 @@ def loss_vocab(data: "Windows", vocab: int, size: int) -> torch.Tensor:
     """[Vs] i64 sorted ids of the `size` most frequent training tokens (all when size is 0)."""
     if not size or size >= vocab:
         return torch.arange(vocab)
-    counts = torch.bincount(data.ids, minlength=vocab)
-    return counts.topk(size).indices.sort().values
+    return data.token_counts(vocab).topk(size).indices.sort().values
 
 
 def train(args, head: MTPHead, data: Windows, vocab_ids: torch.Tensor, ckpt: Path) -> list[dict]:
@@ -308,10 +396,11 @@ def train(args, head: MTPHead, data: Windows, vocab_ids: torch.Tensor, ckpt: Pat
     elif ckpt.exists():
         print(f"{ckpt} exists; starting over (pass --resume to continue it)")
     stop = min(args.steps, args.stop_after or args.steps)
-    bar = tqdm(total=args.steps, initial=step, desc=f"train ({'norms' if args.norms else 'no norms'})")
+    bar = tqdm(total=args.steps, initial=step, desc=f"train ({variant_name(args)})")
     head.train()
     while step < stop:
-        loss, terms = loss_terms(head, lm_rows, *data.batch(step, args.batch_size, rows_per_window(args), args.seed), args)
+        batch = data.batch(step, args.batch_size, rows_per_window(args), args.ttt_depth, args.seed)
+        loss, terms = loss_terms(head, lm_rows, batch, args)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -322,7 +411,8 @@ def train(args, head: MTPHead, data: Windows, vocab_ids: torch.Tensor, ckpt: Pat
         bar.update(1)
         recent = history[-20:]
         bar.set_postfix(loss=f"{sum(h['loss'] for h in recent) / len(recent):.3f}",
-                        acc=f"{sum(h['acc'] for h in recent) / len(recent):.3f}")
+                        acc="/".join(f"{sum(h[f'acc{d}'] for h in recent) / len(recent):.2f}"
+                                     for d in range(1, args.ttt_depth + 1)))
         if step % args.ckpt_every == 0 or step == stop:
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
@@ -360,15 +450,14 @@ def evaluate(head: MTPHead, data: Windows, k: int, fp32: bool, vocab_ids: torch.
     """
     head.eval()
     stats: dict[str, dict] = {}
-    for w, (start, length) in enumerate(data.spans):
+    for w, (_, _, length) in enumerate(data.spans):
         if length < k + 2:
             continue
-        ids = data.ids[start: start + length]
-        hidden = data.hidden[start: start + length]
+        ids, hidden, states = data.window(w)
         n = length - 1  # head rows
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not fp32):
             t = head.dense_logits(hidden[None].float()).argmax(-1)[0]  # [length]
-            tokens, h, past, drafts = ids[None, 1:], hidden[None, :-1].float(), [], []
+            tokens, h, past, drafts = ids[None, 1:], states[None, :-1].float(), [], []
             for i in range(k):
                 g, kv = head.forward_dense(tokens, h, torch.arange(i, n + i), past or None)
                 tokens, h = head.dense_logits(g).argmax(-1), g
@@ -467,25 +556,29 @@ def main(argv=None) -> int:
     target = load_llama(model_dir, torch.bfloat16)
     # 1. corpus and 2. hidden states, per part
     parts = load_parts(args, model_dir, target, work)
-    names = sorted({n for n, _ in parts}, key=lambda n: (PARTS + ("windows",)).index(n))
+    names = [n for n in PARTS + ("windows",) if (n, "train") in parts]
     # The target's own continuations are what the head meets at inference: oversample them.
     weights = [1 if n in ("code", "windows") else args.self_weight for n in names]
-    train_data = Windows([parts[n, "train"] for n in names], weights, list(names))
-    eval_data = Windows([parts[n, "eval"] for n in names], [1] * len(names), list(names))
+    multi = args.features == "multi"
+    train_data = Windows([parts[n, "train"] for n in names], weights, list(names), multi)
+    eval_names = [n for n in names if (n, "eval") in parts]
+    eval_data = Windows([parts[n, "eval"] for n in eval_names], [1] * len(eval_names), eval_names, multi)
     data_s = time.time() - started
-    sizes = {"train_windows": len(train_data.spans), "train_tokens": len(train_data.ids),
-             "train_tokens_oversampled": sum(train_data.spans[i][1] for i in train_data.picks),
-             "eval_windows": len(eval_data.spans), "eval_tokens": len(eval_data.ids),
-             "by_part": {n: {s: len(parts[n, s]["ids"]) for s in ("train", "eval")} for n in names},
-             # Building the parts (self-distillation + target forwards), when they were built.
-             "precompute_s": round(sum(p.get("seconds", 0.0) for p in parts.values()), 1)}
+    sizes = {"train_windows": len(train_data.spans), "train_tokens": train_data.num_tokens,
+             "train_tokens_oversampled": sum(train_data.spans[i][2] for i in train_data.picks),
+             "eval_windows": len(eval_data.spans), "eval_tokens": eval_data.num_tokens,
+             "by_part": {n: {s: len(parts[n, s].ids) for s in ("train", "eval") if (n, s) in parts} for n in names},
+             # Building the parts (self-distillation + target forwards), when they were built here.
+             "precompute_s": round(sum(getattr(p, "seconds", 0.0) for p in parts.values()), 1)}
     print(f"data: {json.dumps(sizes)}")
     if args.precompute_only:
         return 0
     # 3. the head, trained in f32 (bf16 autocast) against the frozen bf16 target
-    head = MTPHead(target.cfg, target, norms=args.norms, dtype=torch.float32)
+    layers = (tuple(parts[names[0], "train"].feature_layers) if args.data
+              else default_feature_layers(target.cfg.num_layers)) if multi else ()
+    head = MTPHead(target.cfg, target, norms=args.norms, dtype=torch.float32, feature_layers=layers)
     init_head(head, target, args.init_layer, args.seed)
-    variant = "norms" if args.norms else "no_norms"
+    variant = variant_name(args)
     t0 = time.time()
     vocab_ids = loss_vocab(train_data, target.cfg.vocab_size, args.loss_vocab)
     before = evaluate(head, eval_data, args.eval_k, args.fp32, vocab_ids)
@@ -501,10 +594,13 @@ def main(argv=None) -> int:
     tail = history[-50:]
     report = {
         "variant": variant, "norms": args.norms, "target": str(model_dir),
-        "alignment": "head row j: token x_{j+1} + target hidden H_j (after the target's final norm), "
-                     "position j → predicts x_{j+2}",
+        "features": {"kind": args.features, "target_layers": list(layers)},
+        "training_time_test": {"depth": args.ttt_depth, "depth_decay": args.depth_decay},
+        "alignment": "head row j: token x_{j+1} + the target's states at j (its hidden H_j after the "
+                     "final norm, or its feature layers' outputs), position j → predicts x_{j+2}",
         "data": sizes,
-        "corpus": (f"token windows from {args.windows}" if args.windows else
+        "corpus": (f"tools/head_data.py data in {args.data} (manifest.json there)" if args.data else
+                   f"token windows from {args.windows}" if args.windows else
                    "Python stdlib sources (held out by file hash), the target's greedy continuations of "
                    "stdlib function headers, and its replies to templated chat instructions"),
         "train": {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
@@ -512,7 +608,7 @@ def main(argv=None) -> int:
                   "warmup": args.warmup, "loss_vocab": len(vocab_ids), "reg_weight": args.reg_weight, "kl_weight": args.kl_weight,
                   "init": "random" if args.init_layer is None else f"target layer {args.init_layer}", "autocast": "off (f32)" if args.fp32 else "bf16",
                   "seed": args.seed, "threads": torch.get_num_threads(),
-                  "final": {k: sum(h[k] for h in tail) / len(tail) for k in tail[0]},
+                  "final": {k: round(sum(h[k] for h in tail) / len(tail), 4) for k in tail[0]},
                   "curve": curve_summary(history)},
         "before_training": before,
         "held_out": after,

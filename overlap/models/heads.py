@@ -55,10 +55,12 @@ HEAD_TYPE = "mtp"
 
 class MTPHead(nn.Module):
     def __init__(self, cfg: ModelConfig, target: LlamaModel, norms: bool = True,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                 feature_layers: tuple[int, ...] = ()):
         """cfg: the target's architecture (any num_layers: the head has one layer).
         target: lends its embed_tokens and lm_head (plain attributes: neither owned nor saved).
-        dtype/device default to the target's."""
+        dtype/device default to the target's. feature_layers: read those target layers'
+        outputs (EAGLE-3) through `reduce` instead of the target's final hidden state."""
         super().__init__()
         if cfg.hidden_size != target.cfg.hidden_size or cfg.vocab_size != target.cfg.vocab_size:
             raise ValueError(f"head (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) does not fit the "
@@ -71,6 +73,10 @@ class MTPHead(nn.Module):
         if norms:
             self.norm_embed = RMSNorm(h, cfg.rms_norm_eps)
             self.norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
+        self.feature_layers = tuple(feature_layers)
+        if self.feature_layers:
+            # EAGLE-3: low, middle and high layers' outputs, concatenated, down to one vector.
+            self.reduce = nn.Parameter(torch.empty(h, len(self.feature_layers) * h))
         self.fuse = nn.Parameter(torch.empty(h, 2 * h))
         self.layer = DecoderLayer(self.cfg, 0)  # layer 0 of the head's own one-layer KV pool
         if norms:
@@ -85,6 +91,14 @@ class MTPHead(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         return self.fuse.dtype
+
+    def target_input(self, states: torch.Tensor) -> torch.Tensor:
+        """The target's states as the target's forward returned them ([T, F * hidden] layer
+        features for a multi-layer head, else [T, hidden] H) → the [T, hidden] vector the head
+        reads in place of H. A chain's own head hidden g needs no such step."""
+        if not self.feature_layers:
+            return states
+        return linear(states.to(self.dtype), self.reduce)
 
     def trim_vocabulary(self, vocab_ids: torch.Tensor) -> None:
         """Score only these tokens when drafting (FR-Spec): the lm_head read per draft step
@@ -136,7 +150,8 @@ class MTPHead(nn.Module):
                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Training / evaluation forward over windows, with autograd.
 
-        input_ids [B, L] i64, hidden_in [B, L, hidden], positions [B, L] or [L] i64
+        input_ids [B, L] i64, hidden_in [B, L, hidden] (H or a chain's g) or [B, L, F * hidden]
+        (a multi-layer head's target features, reduced here), positions [B, L] or [L] i64
         → (head hidden [B, L, hidden], this step's (k, v) [B, L, kv_heads, head_dim]).
 
         past=None: one causal pass (row j sees rows 0..j), the same as a paged prefill.
@@ -147,6 +162,8 @@ class MTPHead(nn.Module):
         """
         e = self.embed_tokens[input_ids]
         h = hidden_in
+        if self.feature_layers and h.shape[-1] != self.cfg.hidden_size:  # target features, not g
+            h = _dense_linear(h, self.reduce)
         if self.norms:
             e, h = self.norm_embed(e), self.norm_hidden(h)
         x = _dense_linear(torch.cat([e.to(h.dtype), h], dim=-1), self.fuse)
@@ -198,7 +215,7 @@ def _dense_layer(layer: DecoderLayer, x: torch.Tensor, rope: RotaryTable, positi
 
 # ---------------------------------------------------------------------------- persistence
 
-def head_config_dict(cfg: ModelConfig, norms: bool) -> dict:
+def head_config_dict(cfg: ModelConfig, norms: bool, feature_layers: tuple[int, ...] = ()) -> dict:
     """config.json of a head: the target's architecture (HF field names, one layer) + head fields."""
     out = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -208,7 +225,7 @@ def head_config_dict(cfg: ModelConfig, norms: bool) -> dict:
         "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
         "max_position_embeddings": cfg.max_position, "tie_word_embeddings": cfg.tie_word_embeddings,
         "attention_bias": cfg.attention_bias, "hidden_act": "silu", "torch_dtype": "bfloat16",
-        "head_type": HEAD_TYPE, "norms": norms,
+        "head_type": HEAD_TYPE, "norms": norms, "feature_layers": list(feature_layers),
     }
     if cfg.rope_scaling:
         out["rope_scaling"] = dict(cfg.rope_scaling)
@@ -223,7 +240,7 @@ def save_head(head: MTPHead, out_dir, extra: dict | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in head.state_dict().items()}
     save_file(sd, str(out / "model.safetensors"))
-    cfg = {**head_config_dict(head.cfg, head.norms), **(extra or {})}
+    cfg = {**head_config_dict(head.cfg, head.norms, head.feature_layers), **(extra or {})}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
@@ -243,7 +260,11 @@ def load_head(head_dir, target: LlamaModel, dtype: torch.dtype | None = None, dr
         raise ValueError(f"MTP head {head_dir} (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) was "
                          f"trained for another target (hidden {target.cfg.hidden_size}, "
                          f"vocab {target.cfg.vocab_size})")
-    head = MTPHead(cfg, target, norms=bool(raw.get("norms", True)), dtype=dtype)
+    layers = tuple(raw.get("feature_layers") or ())
+    if layers and max(layers) >= target.cfg.num_layers:
+        raise ValueError(f"MTP head {head_dir} reads target layers {list(layers)}; the target has "
+                         f"{target.cfg.num_layers}")
+    head = MTPHead(cfg, target, norms=bool(raw.get("norms", True)), dtype=dtype, feature_layers=layers)
     sd = load_file(str(head_dir / "model.safetensors"))
     missing, unexpected = head.load_state_dict(sd, strict=False)
     if missing or unexpected:

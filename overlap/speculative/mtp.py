@@ -103,7 +103,7 @@ class MTPProposer:
     def catch_up(self, updates: list[CatchUp]) -> None:
         """update.new_tokens: the tokens known from update.start_pos on (step inputs, then the
         produced ones); update.hidden [n, H]: the target's H at positions start_pos.. (the
-        verified part only)."""
+        verified part only; a multi-layer head's features, reduced to [n, H] first)."""
         ids: list[int] = []
         hidden: list[torch.Tensor] = []
         positions: list[int] = []
@@ -111,7 +111,7 @@ class MTPProposer:
         last: list[int] = []
         carried_ids: list[int] = []
         for u in updates:
-            s, known, h = u.start_pos, u.new_tokens, u.hidden
+            s, known, h = u.start_pos, u.new_tokens, self.head.target_input(u.hidden)
             # Rows j = first .. last: token x_{j+1} = known[j+1-s], hidden H_j.
             first = s
             row_hidden = [h]
@@ -150,7 +150,8 @@ class MTPProposer:
         layer shapes, same page tables and lengths)."""
         b = len(seq_ids)
         rows = torch.arange(b, device=produced.device) * 2 + accepted  # [B]: row n + accepted
-        g, logits = self.head(produced.reshape(-1), target_hidden, positions, backend, self.kv, meta, rows)
+        g, logits = self.head(produced.reshape(-1), self.head.target_input(target_hidden), positions, backend,
+                              self.kv, meta, rows)
         g = g[rows]
         for i, seq_id in enumerate(seq_ids):
             self.carried[seq_id] = (logits[i], g[i])
