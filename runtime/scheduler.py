@@ -148,14 +148,18 @@ class Scheduler:
     def _choose_drafts(self, works: list[SeqWork]) -> list[SeqWork]:
         spec = [i for i, w in enumerate(works) if w.draft and w.is_decode]
         others = [w for i, w in enumerate(works) if i not in set(spec)]
-        candidates = [Candidate(works[i].seq_id, self._options(works[i].num_spec_tokens)) for i in spec]
+        candidates = [Candidate(works[i].seq_id, self._options(works[i])) for i in spec]
         chosen = dict(zip(spec, self.controller.choose(candidates, sum(len(w.token_ids) for w in others),
                                                        sum(1 for w in others if w.sample))))
         return [msgspec.structs.replace(w, num_spec_tokens=chosen[i].k) if i in chosen else w
                 for i, w in enumerate(works)]
 
-    def _options(self, cap: int):
-        return tree_options(cap, self.tree_depth, cap) if self.tree_depth else chain_options(cap)
+    def _options(self, work: SeqWork):
+        """work.num_spec_tokens is the cap this step (the request's k, less near max_tokens)."""
+        if self.tree_depth:
+            nodes = self.by_seq[work.seq_id].num_spec_tokens
+            return tree_options(nodes, self.tree_depth, work.num_spec_tokens)
+        return chain_options(work.num_spec_tokens)
 
     def _try_schedule(self, seq: Sequence, budget: int, preempt: bool) -> SeqWork | None:
         remaining = len(seq.tokens) - seq.num_computed

@@ -80,7 +80,7 @@ class SchedulerService:
         # No model in this process: the controller's curve comes from spec.step_costs or the
         # cache an in-process engine or `overlap bench` calibrated, else the documented
         # default; the step times it observes correct it online.
-        model_cfg = ModelConfig.from_hf(read_model_config(spec.model_dir))
+        model_cfg = ModelConfig.from_hf(read_model_config(spec.model_dir)) if config.spec.method != "none" else None
         controller = build_controller(config, model_cfg=model_cfg)
         self.scheduler = Scheduler(sched_cfg, self.allocator, spec.eos_token_ids, controller,
                                    tree_depth=config.spec.tree_depth if config.spec.method == "eagle" else 0)

@@ -18,13 +18,14 @@ from speculative.engine_stats import check_engine_law
 from speculative.test_spec_engine import prompts
 
 
-def engine(tiny_dirs, heads, method="mtp", k=1, target="target", page_size=16, num_pages=512, **sched):
+def engine(tiny_dirs, heads, method="mtp", k=1, target="target", page_size=16, num_pages=512, controller=None,
+           **sched):
     spec = SpecConfig(controller="off", method=method, num_spec_tokens=k, head=str(heads[target]) if method == "mtp" else None)
     return Engine(EngineConfig(model=str(tiny_dirs[target]), spec=spec,
                                cache=CacheConfig(page_size=page_size, num_pages=num_pages),
                                scheduler=SchedulerConfig(**{"max_num_seqs": 64, "max_batched_tokens": 512,
                                                             **sched})),
-                  progress=False)
+                  progress=False, controller=controller)
 
 
 @pytest.mark.parametrize("k", [1, 3])
