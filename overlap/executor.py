@@ -13,15 +13,16 @@ The caller (engine or executor process) hands the step's output to the scheduler
 is the overlap the runtime is built around. With overlap off, `finish` also waits for the
 device to go idle, so planning starts only after the previous step has completed.
 
-A decode-only batch in which some sequence asks for drafts is a speculative step; anything
-else (prefill chunks, mixed batches) samples one token per finishing sequence.
+A batch in which some decoding sequence asks for drafts is a speculative step: each sampled
+sequence verifies its own drafts (any number, 0 included) or tree in one target pass, beside
+prefill chunks and plain decodes; other batches sample one token per finishing sequence.
+The drafter is built by overlap/speculative/build.py; the step timing is overlap/step_timing.py.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,16 +36,13 @@ from overlap.device import Device, Event, HostCopy, host_io, upload
 from overlap.futures import EventFuture
 from overlap.graphs import GraphRunner
 from overlap.kv import KVPool, slot_mapping
-from overlap.models.heads import load_head
 from overlap.models.llama import LlamaModel
 from overlap.sampling import SamplingTensors, probabilities, sample
 from overlap.speculative.base import CatchUp, Proposal, Proposer
-from overlap.speculative.draft_target import DraftTargetProposer, load_draft
-from overlap.speculative.eagle import DynamicEagleProposer, EagleProposer
-from overlap.speculative.mtp import MTPProposer
-from overlap.speculative.ngram import NgramProposer
+from overlap.speculative.build import build_proposer
 from overlap.speculative.rejection import verify_chain, verify_greedy
 from overlap.speculative.tree import TreeShape, verify_tree
+from overlap.step_timing import StepTiming, TimingTotals
 
 
 log = logging.getLogger("overlap.executor")
@@ -114,45 +112,6 @@ class InFlightStep:
     catch_up_start: Event | None = None
     end: Event | None = None
     resolved: float | None = None  # host perf_counter when the output was known
-
-
-@dataclass
-class StepTiming:
-    """Where one step's time went. `idle_in_step_s`: the device waited while the host read
-    the produced ids and queued the catch-up; `idle_before_s`: it waited between this step's
-    end and the next step's launch; `plan_s`: host time from this step's output to the next
-    step's launch (scheduling, messaging, prepare), of which `hidden_s` ran while the device
-    was still busy (this step's catch-up)."""
-
-    step_id: int
-    busy_s: float
-    idle_in_step_s: float  # between the produced ids and the catch-up launch
-    idle_before_s: float
-    plan_s: float
-    hidden_s: float
-
-
-@dataclass
-class TimingTotals:
-    steps: int = 0
-    busy_s: float = 0.0
-    idle_s: float = 0.0
-    plan_s: float = 0.0
-    hidden_s: float = 0.0
-    recent: deque = field(default_factory=lambda: deque(maxlen=256))
-    extra: dict = field(default_factory=dict)  # other counters (tensor-parallel traffic)
-
-    def add(self, t: StepTiming) -> None:
-        self.steps += 1
-        self.busy_s += t.busy_s
-        self.idle_s += t.idle_in_step_s + t.idle_before_s
-        self.plan_s += t.plan_s
-        self.hidden_s += t.hidden_s
-        self.recent.append(t)
-
-    def as_dict(self) -> dict:
-        return {"timed_steps": self.steps, "device_busy_s": self.busy_s, "device_idle_s": self.idle_s,
-                "plan_s": self.plan_s, "hidden_plan_s": self.hidden_s, **self.extra}
 
 
 class Executor:
@@ -669,31 +628,3 @@ def graph_q_lens(config: EngineConfig) -> list[int]:
     spec = config.spec
     k = spec.num_spec_tokens if spec.method in ("draft", "ngram", "mtp") else 0
     return list(range(1, (k or 0) + 2))
-
-
-def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | None = None) -> Proposer | None:
-    spec = config.spec
-    if spec.method == "none":
-        return None
-    if spec.method == "ngram":
-        return NgramProposer(model.cfg.vocab_size, config.device, spec.ngram_min, spec.ngram_max)
-    if spec.method == "draft":
-        if not spec.draft_model:
-            raise ValueError("spec method 'draft' needs spec.draft_model (a draft directory)")
-        draft = load_draft(spec.draft_model, model)
-        return DraftTargetProposer(draft, make_backend(config.attention_backend, config.device),
-                                   config.cache.num_pages, config.cache.page_size, scratch_page)
-    if spec.method in ("mtp", "eagle"):
-        if not spec.head:
-            raise ValueError(f"spec method {spec.method!r} needs spec.head (an MTP head directory)")
-        head = load_head(spec.head, model, draft_vocab=spec.draft_vocab)
-        backend = make_backend(config.attention_backend, config.device)
-        pages = (config.cache.num_pages, config.cache.page_size)
-        if spec.method == "mtp":
-            return MTPProposer(head, backend, *pages, scratch_page)
-        if spec.tree == "dynamic":
-            return DynamicEagleProposer(head, backend, *pages, spec.tree_depth, spec.tree_topk, spec.tree_tokens,
-                                        scratch_page)
-        shape = TreeShape.default(spec.tree_depth, spec.tree_topk, spec.tree_tokens)
-        return EagleProposer(head, backend, *pages, shape, scratch_page)
-    raise ValueError(f"unknown spec method {spec.method!r} (none | draft | ngram | mtp | eagle)")

@@ -171,7 +171,7 @@ def test_tp_draft_path_builds_every_tensor_on_the_rank_device(tiny_dirs):
     buffers) must be on the rank's device. Checked on the meta device: a tensor left on the
     CPU shows up as "cpu" (on a GPU it failed the first propose with a device mismatch)."""
     from overlap.config import CacheConfig, EngineConfig, SpecConfig
-    from overlap.executor import build_proposer
+    from overlap.speculative.build import build_proposer
     from overlap.tp_group import full_embeddings
 
     meta = torch.device("meta")
