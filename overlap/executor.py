@@ -339,11 +339,11 @@ class Executor:
         if spec:
             # Where each verify row goes in the padded [S, W+1] layout (W: the widest chain,
             # or the tree's nodes), and each sampled sequence's draft count.
-            width = tree_width = self.proposer.num_nodes if tree is not None else \
+            width = self.proposer.num_nodes if tree is not None else \
                 (proposal.tokens.shape[1] if proposal is not None else max(ks))
             padded_all, padded_draft = [], []
             for i, k in enumerate(ks):
-                padded_draft += range(i * tree_width, i * tree_width + k)
+                padded_draft += range(i * width, i * width + k)
                 padded_all += range(i * (width + 1), i * (width + 1) + k + 1)
             arrays.update(draft_rows=(draft_rows, torch.long), padded_draft=(padded_draft, torch.long),
                           padded_all=(padded_all, torch.long), num_drafts=(list(ks), torch.long))

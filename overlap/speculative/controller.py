@@ -112,8 +112,9 @@ class StepCostModel:
         return cls(points, fraction)
 
     def as_dict(self) -> dict:
-        return {"points": dict(zip(self.rows, self.ms)), "drafter_fraction": self.drafter_fraction,
-                "correction": dict(sorted(self.correction.items()))}
+        # String keys: the stats travel as JSON too (HTTP, bench reports).
+        return {"points": {str(r): ms for r, ms in zip(self.rows, self.ms)}, "drafter_fraction": self.drafter_fraction,
+                "correction": {str(1 << (b - 1)): c for b, c in sorted(self.correction.items())}}
 
     @staticmethod
     def _bucket(rows: int) -> int:
