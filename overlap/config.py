@@ -96,6 +96,12 @@ class SpecConfig:
     draft_vocab: int = 0
     ngram_min: int = 1
     ngram_max: int = 3
+    # on: a cost-model controller chooses each sequence's drafts (or tree) per step, never
+    # more than its cap (overlap/speculative/controller.py); off: every step verifies the cap.
+    controller: str = "on"  # on | off
+    # The controller's step-cost curve: a JSON from `overlap bench --step-costs --json` (None:
+    # measured at start-up with a few forwards and cached under ~/.cache/overlap/step_costs).
+    step_costs: str | None = None
 
 
 @dataclass(frozen=True)
@@ -197,7 +203,7 @@ def load_config(path: str | Path) -> EngineConfig:
         raise ValueError(f"{path}: [spec] num_spec_tokens does not apply to method \"eagle\"; "
                          "shape the tree with tree_depth, tree_topk and tree_tokens")
     base = path.resolve().parent
-    for section, key in ((raw, "model"), (spec, "draft_model"), (spec, "head")):
+    for section, key in ((raw, "model"), (spec, "draft_model"), (spec, "head"), (spec, "step_costs")):
         if section.get(key):  # an absolute (or ~) path stays what it is
             section[key] = str((base / Path(section[key]).expanduser()).resolve())
     return config_from_dict(raw)

@@ -13,15 +13,16 @@ The caller (engine or executor process) hands the step's output to the scheduler
 is the overlap the runtime is built around. With overlap off, `finish` also waits for the
 device to go idle, so planning starts only after the previous step has completed.
 
-A decode-only batch in which some sequence asks for drafts is a speculative step; anything
-else (prefill chunks, mixed batches) samples one token per finishing sequence.
+A batch in which some decoding sequence asks for drafts is a speculative step: each sampled
+sequence verifies its own drafts (any number, 0 included) or tree in one target pass, beside
+prefill chunks and plain decodes; other batches sample one token per finishing sequence.
+The drafter is built by overlap/speculative/build.py; the step timing is overlap/step_timing.py.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,16 +36,13 @@ from overlap.device import Device, Event, HostCopy, host_io, upload
 from overlap.futures import EventFuture
 from overlap.graphs import GraphRunner
 from overlap.kv import KVPool, slot_mapping
-from overlap.models.heads import load_head
 from overlap.models.llama import LlamaModel
 from overlap.sampling import SamplingTensors, probabilities, sample
 from overlap.speculative.base import CatchUp, Proposal, Proposer
-from overlap.speculative.draft_target import DraftTargetProposer, load_draft
-from overlap.speculative.eagle import DynamicEagleProposer, EagleProposer
-from overlap.speculative.mtp import MTPProposer
-from overlap.speculative.ngram import NgramProposer
+from overlap.speculative.build import build_proposer
 from overlap.speculative.rejection import verify_chain, verify_greedy
 from overlap.speculative.tree import TreeShape, verify_tree
+from overlap.step_timing import StepTiming, TimingTotals
 
 
 log = logging.getLogger("overlap.executor")
@@ -67,8 +65,8 @@ class PreparedStep:
     tree: "TreeBatch | None" = None  # EAGLE steps: the trees being verified
     # Index tensors the launch needs, staged with the inputs (nothing in launch builds a
     # device tensor from Python data): end_pos [S] (where each sampled sequence's next token
-    # sits), row_starts [B]; speculative steps also flat_draft, padded_draft, padded_all,
-    # num_drafts (see _launch_speculative).
+    # sits), row_starts [B], sampled_starts [S] (each sampled sequence's last-token row);
+    # speculative steps also draft_rows, padded_draft, padded_all, num_drafts (see prepare).
     index: dict[str, torch.Tensor] = field(default_factory=dict)
     width: int = 0  # drafts per row of a speculative step's padded [B, K] layout
 
@@ -81,6 +79,8 @@ class TreeBatch:
     depth: int
     width: int  # children per node at most
     nodes: torch.Tensor | None  # [B, N] i64 node tokens when known on the host (dynamic trees)
+    moved_rows: torch.Tensor  # [B, D] i64 flat rows the accepted path's depth 1..D moves to
+    tree_seqs: torch.Tensor  # [Bt] i64 which of the B sampled sequences verify a tree this step
 
 
 @dataclass
@@ -91,7 +91,6 @@ class LaunchedStep:
     num_drafts: list[int]
     hidden: torch.Tensor | None = None  # [T, H] the target's hidden states (drafters that read them)
     drafter_done: bool = False  # the drafter's re-run already ran inside the launch (no-sync MTP)
-    hidden_row_starts: list[int] | None = None  # where each sequence's rows start in `hidden`
 
     def device_results(self) -> tuple[torch.Tensor, ...]:
         if self.num_accepted is None:
@@ -113,45 +112,6 @@ class InFlightStep:
     catch_up_start: Event | None = None
     end: Event | None = None
     resolved: float | None = None  # host perf_counter when the output was known
-
-
-@dataclass
-class StepTiming:
-    """Where one step's time went. `idle_in_step_s`: the device waited while the host read
-    the produced ids and queued the catch-up; `idle_before_s`: it waited between this step's
-    end and the next step's launch; `plan_s`: host time from this step's output to the next
-    step's launch (scheduling, messaging, prepare), of which `hidden_s` ran while the device
-    was still busy (this step's catch-up)."""
-
-    step_id: int
-    busy_s: float
-    idle_in_step_s: float  # between the produced ids and the catch-up launch
-    idle_before_s: float
-    plan_s: float
-    hidden_s: float
-
-
-@dataclass
-class TimingTotals:
-    steps: int = 0
-    busy_s: float = 0.0
-    idle_s: float = 0.0
-    plan_s: float = 0.0
-    hidden_s: float = 0.0
-    recent: deque = field(default_factory=lambda: deque(maxlen=256))
-    extra: dict = field(default_factory=dict)  # other counters (tensor-parallel traffic)
-
-    def add(self, t: StepTiming) -> None:
-        self.steps += 1
-        self.busy_s += t.busy_s
-        self.idle_s += t.idle_in_step_s + t.idle_before_s
-        self.plan_s += t.plan_s
-        self.hidden_s += t.hidden_s
-        self.recent.append(t)
-
-    def as_dict(self) -> dict:
-        return {"timed_steps": self.steps, "device_busy_s": self.busy_s, "device_idle_s": self.idle_s,
-                "plan_s": self.plan_s, "hidden_plan_s": self.hidden_s, **self.extra}
 
 
 class Executor:
@@ -303,27 +263,31 @@ class Executor:
         # Sampling parameters go in this step's one staged copy (below); host drafters that
         # propose now get them staged on their own.
         sampling = None
-        spec = self.proposer is not None and plan.is_decode_only and any(s.num_spec_tokens for s in plan.seqs)
-        ks = [s.num_spec_tokens for s in plan.seqs] if spec else [0] * len(plan.seqs)
-        proposal = None
+        # Drafts per sampled sequence. Only decode rows speculate, whatever else the batch
+        # carries (prefill chunks, sequences with speculation off sample one token each), so
+        # chains of different lengths, trees and plain rows share one verify pass.
+        ks = [s.num_spec_tokens if (self.proposer is not None and s.is_decode) else 0 for s in sampled]
         tree = getattr(self.proposer, "tree", None)
-        if spec and tree is not None and not all(k >= self.proposer.num_nodes for k in ks):
-            # A tree step verifies the whole tree for every sequence; one that has no room for
-            # it (near max_tokens or the context end) makes this a plain decode step.
-            spec, ks = False, [0] * len(plan.seqs)
+        if tree is not None:
+            # A tree is all or nothing: a sequence without room for every node (near
+            # max_tokens or the context end) decodes plainly this step, beside the trees.
+            ks = [self.proposer.num_nodes if k >= self.proposer.num_nodes else 0 for k in ks]
+        spec = any(ks)
         tree = tree if spec else None
-        dynamic = None
+        proposal = None
+        dynamic: dict[int, object] = {}  # sampled index → its EAGLE-2 tree
         if tree is not None and hasattr(self.proposer, "expand"):
             # EAGLE-2's shape depends on the head's outputs, and the verify rows' positions and
             # mask are laid out here: wait for the previous catch-up (it carries the logits to
             # expand) and build the trees now. The documented syncs of dynamic trees.
             self.streams.forward.synchronize()
-            dynamic = self.proposer.expand(plan.seqs)
+            grown = [i for i, k in enumerate(ks) if k]
+            dynamic = dict(zip(grown, self.proposer.expand([sampled[i] for i in grown])))
         if spec and self.proposer.on_host:  # on_host proposers fill Proposal.host_tokens
             # Host drafters (n-gram) propose now, so the verify pass is sized to the drafts
             # they actually found, and a step where none are found is a plain decode.
             sampling = SamplingTensors.from_seqs(sampled, dev) if sampled else None
-            proposal = self.proposer.propose(plan.seqs, ks, sampling)
+            proposal = self.proposer.propose(sampled, ks, sampling)
             ks = proposal.num_drafts
             spec = any(ks)
         ids: list[int] = []
@@ -331,28 +295,37 @@ class Executor:
         attn: list[SeqAttention] = []
         rows: list[int] = []
         row_starts: list[int] = []
-        tree_slots: list[list[int]] = []
-        for i, s in enumerate(plan.seqs):
+        sampled_starts: list[int] = []  # first row of each sampled sequence's verify block
+        draft_rows: list[int] = []  # flat rows of device drafters' chain drafts, or of tree nodes
+        j = 0  # index among sampled sequences
+        for s in plan.seqs:
             row_starts.append(len(ids))
-            # On a speculative step each sequence's verify rows are [last token, drafts...];
-            # device drafters' tokens are filled in by launch().
-            drafts = proposal.host_tokens[i] if proposal is not None else [0] * ks[i]
-            if tree is not None:
-                drafts = dynamic[i].tokens if dynamic else [0] * self.proposer.num_nodes
-            q_len = len(s.token_ids) + len(drafts) if tree is not None else len(s.token_ids) + ks[i]
+            k = ks[j] if s.sample else 0
+            # A sequence's rows: its tokens, then its drafts ([last token, d_1..d_k]) or tree
+            # nodes ([x_n, node_1..node_N]); device drafters' tokens are filled in by launch().
+            if not k:
+                drafts = []
+            elif tree is not None:
+                drafts = dynamic[j].tokens if dynamic else [0] * k
+            else:
+                drafts = proposal.host_tokens[j] if proposal is not None else [0] * k
+            q_len = len(s.token_ids) + len(drafts)
             ids += s.token_ids + drafts
-            if tree is not None:
+            if tree is not None and drafts:
                 # [x_n, node_1..node_N] at positions n + depth, each row sees its ancestors.
-                depths = [0] + dynamic[i].depths if dynamic else self.proposer.verify_depths
-                mask = dynamic[i].mask if dynamic else self.proposer.verify_mask
+                depths = [0] + dynamic[j].depths if dynamic else self.proposer.verify_depths
+                mask = dynamic[j].mask if dynamic else self.proposer.verify_mask
                 positions += [s.start_pos + d for d in depths]
                 attn.append(SeqAttention(q_len, s.start_pos + q_len, s.page_table, mask))
-                tree_slots.append(slot_mapping(s.page_table, s.start_pos, s.start_pos + q_len, self.kv.page_size))
             else:
                 positions += range(s.start_pos, s.start_pos + q_len)
                 attn.append(SeqAttention(q_len=q_len, kv_len=s.start_pos + q_len, page_table=s.page_table))
             if s.sample:
-                rows += range(len(ids) - q_len, len(ids)) if spec else [len(ids) - 1]
+                # The last token's row and every draft's: logits for the verify block.
+                sampled_starts.append(len(ids) - 1 - len(drafts))
+                rows += range(len(ids) - 1 - len(drafts), len(ids))
+                draft_rows += range(len(ids) - len(drafts), len(ids))
+                j += 1
         q_lens = {a.q_len for a in attn}
         uniform = q_lens.pop() if len(q_lens) == 1 and plan.is_decode_only and tree is None else None
         graphed = self.scratch_page is not None and uniform is not None
@@ -360,27 +333,22 @@ class Executor:
         # without blocking (on the forward stream: submit prepares under `issuing()`).
         arrays: dict[str, tuple[object, torch.dtype]] = {
             "ids": (ids, torch.long), "positions": (positions, torch.long), "logits_rows": (rows, torch.long),
-            "end_pos": ([s.end_pos for s in sampled], torch.long), "row_starts": (row_starts, torch.long)}
+            "end_pos": ([s.end_pos for s in sampled], torch.long), "row_starts": (row_starts, torch.long),
+            "sampled_starts": (sampled_starts, torch.long)}
         width = 0
-        if spec and tree is None:
-            width = proposal.tokens.shape[1] if proposal is not None else max(ks)
-            flat_draft, padded_all, padded_draft = [], [], []
-            row = 0
-            for i, k in enumerate(ks):  # where each verify row goes in the padded [B, K+1] layout
-                flat_draft += range(row + 1, row + 1 + k)
+        if spec:
+            # Where each verify row goes in the padded [S, W+1] layout (W: the widest chain,
+            # or the tree's nodes), and each sampled sequence's draft count.
+            width = self.proposer.num_nodes if tree is not None else \
+                (proposal.tokens.shape[1] if proposal is not None else max(ks))
+            padded_all, padded_draft = [], []
+            for i, k in enumerate(ks):
                 padded_draft += range(i * width, i * width + k)
                 padded_all += range(i * (width + 1), i * (width + 1) + k + 1)
-                row += k + 1
-            arrays.update(flat_draft=(flat_draft, torch.long), padded_draft=(padded_draft, torch.long),
+            arrays.update(draft_rows=(draft_rows, torch.long), padded_draft=(padded_draft, torch.long),
                           padded_all=(padded_all, torch.long), num_drafts=(list(ks), torch.long))
         if tree is not None:
-            arrays["tree_slots"] = (tree_slots, torch.long)
-            if dynamic:
-                for key in ("parents", "order", "tokens"):
-                    arrays["tree_" + key] = ([getattr(t, key) for t in dynamic], torch.long)
-            else:
-                arrays["tree_parents"] = (tree.parents(), torch.long)
-                arrays["tree_order"] = (tree.sibling_order(), torch.long)
+            arrays.update(self._tree_arrays(plan, sampled, ks, sampled_starts, dynamic, tree))
         names = list(arrays)
         host_sampling = SamplingTensors.host_arrays(sampled) if sampled and sampling is None else []
         staged = upload(dev, *arrays.values(), *host_sampling)
@@ -400,21 +368,54 @@ class Executor:
             sampled=sampled,
             sampling=sampling,
             spec_ks=ks if spec else None,
-            tree=self._tree_batch(plan, index, dynamic) if tree is not None else None,
+            tree=self._tree_batch(index, bool(dynamic), tree) if tree is not None else None,
             proposal=proposal if spec else None,
             index=index,
             width=width,
         )
 
-    def _tree_batch(self, plan: BatchPlan, index: dict[str, torch.Tensor], dynamic) -> TreeBatch:
-        b = len(plan.seqs)
+    def _tree_arrays(self, plan: BatchPlan, sampled: list[SeqWork], ks: list[int], starts: list[int],
+                     dynamic: dict, tree: TreeShape) -> dict[str, tuple[object, torch.dtype]]:
+        """The tree step's host-side layout, per sampled sequence ([S, ...] rows): its nodes'
+        parents and sibling order, KV slots, and where the accepted path's rows move to.
+        A sequence that decodes plainly beside the trees gets a tree nobody can enter (every
+        node its own parent, so the root has no children: verify_tree draws its one token
+        from p, as plain sampling does), and slots and moves that point at its own row only
+        (self-copies), so the whole step stays one set of [S, ...] tensors."""
+        n, depth = self.proposer.num_nodes, self.proposer.depth
+        closed = list(range(1, n + 1)), [0] * n
+        parents, order, slots, moved_rows, tree_rows = [], [], [], [], []
+        for j, (s, k) in enumerate(zip(sampled, ks)):
+            row = starts[j]
+            last_slot = slot_mapping(s.page_table, s.end_pos - 1, s.end_pos, self.kv.page_size)
+            if not k:
+                parents.append(closed[0])
+                order.append(closed[1])
+                slots.append(last_slot * (n + 1))
+                moved_rows.append([row] * depth)
+                continue
+            tree_rows.append(j)
+            if j in dynamic:
+                parents.append(dynamic[j].parents)
+                order.append(dynamic[j].order)
+            else:
+                parents.append(tree.parents())
+                order.append(tree.sibling_order())
+            slots.append(slot_mapping(s.page_table, s.start_pos, s.start_pos + 1 + n, self.kv.page_size))
+            moved_rows.append(list(range(row + 1, row + 1 + depth)))
+        arrays = {"tree_parents": (parents, torch.long), "tree_order": (order, torch.long),
+                  "tree_slots": (slots, torch.long), "tree_moved_rows": (moved_rows, torch.long),
+                  "tree_sampled": (tree_rows, torch.long)}
         if dynamic:
-            return TreeBatch(index.pop("tree_slots"), index.pop("tree_parents"), index.pop("tree_order"),
-                             self.proposer.depth, self.proposer.topk, index.pop("tree_tokens"))
-        shape = self.proposer.tree
-        parents, order = index.pop("tree_parents"), index.pop("tree_order")
-        return TreeBatch(index.pop("tree_slots"), parents.expand(b, parents.shape[0]), order.expand(b, order.shape[0]),
-                         shape.depth, shape.max_children(), None)
+            arrays["tree_tokens"] = ([dynamic[j].tokens if j in dynamic else [0] * n for j in range(len(sampled))],
+                                     torch.long)
+        return arrays
+
+    def _tree_batch(self, index: dict[str, torch.Tensor], dynamic: bool, tree: TreeShape) -> TreeBatch:
+        width = self.proposer.topk if dynamic else tree.max_children()
+        return TreeBatch(index.pop("tree_slots"), index.pop("tree_parents"), index.pop("tree_order"),
+                         self.proposer.depth, width, index.pop("tree_tokens") if dynamic else None,
+                         index.pop("tree_moved_rows"), index.pop("tree_sampled"))
 
     def _on_drafter_stream(self, fn) -> None:
         # A model drafter's state (KV, carried logits) is only touched by work on the forward
@@ -436,7 +437,7 @@ class Executor:
         """Fill `into`, THEN start the copy of the produced ids: the host reads `into` as soon
         as the copy lands, possibly while later work of this launch still runs."""
         into.tokens, into.num_accepted, into.num_drafts = result.tokens, result.num_accepted, result.num_drafts
-        into.hidden, into.hidden_row_starts = result.hidden, result.hidden_row_starts
+        into.hidden = result.hidden
         if copy is not None:
             self.streams.start_copy(copy, into.device_results())
 
@@ -456,32 +457,42 @@ class Executor:
         self._publish(into, launched, copy)
 
     def _launch_tree(self, step: PreparedStep, into: LaunchedStep, copy: HostCopy | None) -> None:
-        """EAGLE: draft a tree, verify every node in one target pass with the tree mask, walk
-        it (tree.py), move the accepted path's KV into place; the head re-runs in catch-up."""
-        seqs, st, proposer, tb = step.sampled, step.sampling, self.proposer, step.tree
+        """EAGLE: draft the trees, verify every node in one target pass with the tree masks
+        (plain rows beside them), walk them (tree.py), move each accepted path's KV and hidden
+        states into place; the head re-runs in catch-up."""
+        seqs, st, proposer, tb, index = step.sampled, step.sampling, self.proposer, step.tree, step.index
         b, n, depth, dev = len(seqs), proposer.num_nodes, tb.depth, self.device
-        # Stage 2: the tree's tokens, into rows 1..N of each sequence's [x_n, nodes] block
-        # (a dynamic tree's are already there: it was built while preparing).
-        nodes = tb.nodes if tb.nodes is not None else proposer.propose_tree(seqs)  # [B, N]
-        starts = step.index["row_starts"]
-        node_rows = (starts[:, None] + torch.arange(1, n + 1, device=dev)[None, :]).reshape(-1)
-        ids = step.input_ids.clone()
-        ids[node_rows] = nodes.reshape(-1)
-        # Stage 3: one target pass over every node; p after the root and after each node.
-        hidden, logits = self._target_forward(step, ids)  # logits [B*(N+1), V]
-        p = probabilities(logits, st.repeat_rows(n + 1)).view(b, n + 1, -1)
-        first = step.index["end_pos"]
-        tokens, accepted, path = verify_tree(p, nodes, tb.parents, tb.order, depth, tb.width, st.seed, first)
-        # Compaction: the node at depth i of the accepted path moves to slot n + i.
+        # Stage 2: the trees' tokens, into rows 1..N of each tree's [x_n, nodes] block (a
+        # dynamic tree's are already there: it was built while preparing).
+        if tb.nodes is not None:
+            nodes = tb.nodes  # [B, N]
+            ids = step.input_ids
+        else:
+            grown = [seqs[i] for i, k in enumerate(step.spec_ks) if k]
+            grown_nodes = proposer.propose_tree(grown)  # [Bt, N]
+            nodes = torch.zeros(b, n, dtype=torch.long, device=dev).index_copy(0, tb.tree_seqs, grown_nodes)
+            ids = step.input_ids.clone()
+            ids[index["draft_rows"]] = grown_nodes.reshape(-1)
+        # Stage 3: one target pass over every row; p after each tree's root and nodes (and
+        # the one row of a plain sequence), padded to [B, N+1].
+        hidden, logits = self._target_forward(step, ids)
+        padded = torch.zeros(b * (n + 1), logits.shape[-1], device=dev)
+        padded[index["padded_all"]] = logits
+        p = probabilities(padded, st.repeat_rows(n + 1)).view(b, n + 1, -1)
+        tokens, accepted, path = verify_tree(p, nodes, tb.parents, tb.order, depth, tb.width, st.seed,
+                                             index["end_pos"])
+        # Compaction: the node at depth i of the accepted path moves to slot n + i (KV) and
+        # to row i of the sequence's block (the hidden states the head's catch-up reads).
+        keep = torch.arange(depth, device=dev)[None, :] < accepted[:, None]  # [B, D]
         slots = tb.slots  # [B, N+1]
-        keep = torch.arange(depth, device=dev)[None, :] < accepted[:, None]
         dst = slots[:, 1:depth + 1]
-        src = torch.where(keep, slots.gather(1, path), dst)
-        self.kv.copy_slots(src.reshape(-1), dst.reshape(-1))
-        # The head's catch-up reads the target's hidden states of [x_n, accepted path] rows.
-        path_rows = starts[:, None] + torch.cat([torch.zeros_like(path[:, :1]), path], dim=1)  # [B, D+1]
-        launched = LaunchedStep(step, tokens, accepted, [depth] * b, hidden[path_rows.reshape(-1)])
-        launched.hidden_row_starts = [i * (depth + 1) for i in range(b)]
+        self.kv.copy_slots(torch.where(keep, slots.gather(1, path), dst).reshape(-1), dst.reshape(-1))
+        starts = index["sampled_starts"]
+        src_rows = torch.where(keep, starts[:, None] + path, tb.moved_rows)
+        moved = hidden.clone()
+        moved[tb.moved_rows.reshape(-1)] = hidden[src_rows.reshape(-1)]
+        launched = LaunchedStep(step, tokens, accepted, [depth if k else 0 for k in step.spec_ks],
+                                moved if self._reads_hidden else None)
         self._publish(into, launched, copy)
 
     def _launch_speculative(self, step: PreparedStep, into: LaunchedStep, copy: HostCopy | None) -> None:
@@ -495,7 +506,7 @@ class Executor:
         ids = step.input_ids
         if step.proposal is None:
             ids = ids.clone()
-            ids[index["flat_draft"]] = proposal.tokens.view(-1)[index["padded_draft"]]
+            ids[index["draft_rows"]] = proposal.tokens.view(-1)[index["padded_draft"]]
         # Stage 3: verify all drafts in one target pass (q_len = k+1 per sequence).
         hidden, logits = self._target_forward(step, ids)
         padded_rows = index["padded_all"]
@@ -527,7 +538,7 @@ class Executor:
 
     def _no_sync_rerun(self, step: PreparedStep) -> bool:
         return (hasattr(self.proposer, "rerun_fixed") and all(k == 1 for k in step.spec_ks)
-                and len(step.sampled) == len(step.plan.seqs))
+                and step.plan.is_decode_only and len(step.sampled) == len(step.plan.seqs))
 
     def _target_forward(self, step: PreparedStep, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The target forward → (hidden [T, H], logits [len(logits_rows), V] f32), through a
@@ -585,8 +596,7 @@ class Executor:
         for i, (s, out) in enumerate(zip(plan.seqs, output.seqs)):
             if s.draft:
                 verified = len(s.token_ids) + (out.num_accepted if out.num_drafts else 0)
-                starts = work.hidden_row_starts or work.prepared.row_starts
-                rows.append((s, s.token_ids + out.token_ids, starts[i], verified))
+                rows.append((s, s.token_ids + out.token_ids, work.prepared.row_starts[i], verified))
 
         def run() -> None:
             # On the stream: `work.hidden` exists once the launch has run.
@@ -618,34 +628,3 @@ def graph_q_lens(config: EngineConfig) -> list[int]:
     spec = config.spec
     k = spec.num_spec_tokens if spec.method in ("draft", "ngram", "mtp") else 0
     return list(range(1, (k or 0) + 2))
-
-
-def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | None = None) -> Proposer | None:
-    spec = config.spec
-    if spec.method == "none":
-        return None
-    if spec.method == "ngram":
-        return NgramProposer(model.cfg.vocab_size, config.device, spec.ngram_min, spec.ngram_max)
-    if spec.method == "draft":
-        if not spec.draft_model:
-            raise ValueError("spec method 'draft' needs spec.draft_model (a draft directory)")
-        draft = load_draft(spec.draft_model, model)
-        return DraftTargetProposer(draft, make_backend(config.attention_backend, config.device),
-                                   config.cache.num_pages, config.cache.page_size, scratch_page)
-    if spec.method in ("mtp", "eagle"):
-        if not spec.head:
-            raise ValueError(f"spec method {spec.method!r} needs spec.head (an MTP head directory)")
-        head = load_head(spec.head, model, draft_vocab=spec.draft_vocab)
-        # A multi-layer (EAGLE-3) head reads several target layers: the target's forward returns
-        # them from the same pass (no extra pass, no host copy), in place of its final hidden.
-        model.feature_layers = head.feature_layers
-        backend = make_backend(config.attention_backend, config.device)
-        pages = (config.cache.num_pages, config.cache.page_size)
-        if spec.method == "mtp":
-            return MTPProposer(head, backend, *pages, scratch_page)
-        if spec.tree == "dynamic":
-            return DynamicEagleProposer(head, backend, *pages, spec.tree_depth, spec.tree_topk, spec.tree_tokens,
-                                        scratch_page)
-        shape = TreeShape.default(spec.tree_depth, spec.tree_topk, spec.tree_tokens)
-        return EagleProposer(head, backend, *pages, shape, scratch_page)
-    raise ValueError(f"unknown spec method {spec.method!r} (none | draft | ngram | mtp | eagle)")

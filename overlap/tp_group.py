@@ -174,7 +174,7 @@ def start_group(config, model_dir: str, rendezvous_dir: str) -> tuple[LeaderExec
     if config.spec.method == "draft":
         # The draft shares the target's embeddings and lm_head, which no rank holds whole:
         # the leader loads them once more, in full, for its draft.
-        from overlap.executor import build_proposer
+        from overlap.speculative.build import build_proposer
 
         holder = full_embeddings(model_dir, model.dtype, model.embed_tokens.device, model.matmul)
         executor.proposer = LeaderProposer(build_proposer(config, holder), SharedProposals(drafts))

@@ -287,7 +287,15 @@ def acceptance(stats: list[dict | None]) -> dict:
                 accepted_at.append(0)
             drafted_at[i] += d
             accepted_at[i] += a
+    # What the speculation controller chose per decode step (k, or tree nodes; 0: plain).
+    k_hist: dict[str, int] = {}
+    for s in stats:
+        for k, n in (s.get("k_histogram") or {}).items():
+            k_hist[k] = k_hist.get(k, 0) + n
+    chosen = sum(k_hist.values())
     return {
+        "k_histogram": dict(sorted(k_hist.items(), key=lambda kv: int(kv[0]))),
+        "mean_k": sum(int(k) * n for k, n in k_hist.items()) / chosen if chosen else None,
         "drafts": drafts,
         "draft_tokens": sum(s.get("draft_tokens", 0) for s in stats),
         "accepted_tokens": accepted,
@@ -499,7 +507,7 @@ def _device_cells(d: dict | None) -> list[str]:
 def format_report(report: dict) -> str:
     """The terminal table: one row per (variant, concurrency), then bandwidth and HF lines."""
     header = ["variant", "conc", "reqs", "out tok", "wall s", "tok/s", "req/s", "TTFT p50 ms",
-              "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "speedup", "acc len", "acc/pos", "identical",
+              "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "speedup", "acc len", "acc/pos", "mean k", "identical",
               "dev idle", "plan ms", "hidden"]
     rows, kind_lines = [], []
     for v in report["variants"]:
@@ -511,6 +519,7 @@ def format_report(report: dict) -> str:
                          _fmt(r["itl_p99_ms"]), _fmt(r["speedup"], ".2f") + "x",
                          _fmt(r.get("acceptance_length"), ".2f"),
                          " ".join(f"{x:.2f}" for x in r.get("acceptance_per_position") or []) or "-",
+                         _fmt(r.get("mean_k"), ".2f"),
                          f"{same['identical']}/{same['compared']}" if same else "-",
                          *_device_cells(r.get("device"))])
             if r.get("by_kind"):
@@ -521,6 +530,12 @@ def format_report(report: dict) -> str:
     if len(report["variants"]) > 1:
         out.append(f"identical: token ids equal to {report['variants'][0]['label']}'s at the same "
                    f"concurrency (greedy speculation must match exactly)")
+    if any(r.get("mean_k") is not None for v in report["variants"] for r in v["runs"]):
+        out.append("mean k: drafts (EAGLE: tree nodes) verified per decode step of a speculating request, "
+                   "as the speculation controller chose them (0 = plain decode); k per variant and "
+                   "concurrency: " + "; ".join(
+                       f"{v['label']} c={r['concurrency']} {r['k_histogram']}" for v in report["variants"]
+                       for r in v["runs"] if r.get("k_histogram")))
     out.append("dev idle: share of device time idle between and inside steps (waiting for the host); "
                "plan ms: host time per step from one step's ids to the next step's launch; hidden: "
                "share of it that ran while the device was busy")

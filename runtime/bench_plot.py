@@ -2,7 +2,7 @@
 x position is unreadable past a few rows.
 
 Left: tokens/s against concurrency, one line per mode (speedups over the first mode are
-the ratios of these lines). Right: acceptance per draft position (the share of steps whose
+the ratios of these lines); a mode run with the speculation controller off is dashed. Right: acceptance per draft position (the share of steps whose
 draft at that depth was accepted), one line per speculative mode at the lowest concurrency.
 """
 
@@ -18,13 +18,19 @@ def plot_report(report: dict, path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (speed, accept) = plt.subplots(1, 2, figsize=(11, 4.2))
+    # One colour per mode: with the controller on and off side by side ("mtp" and "mtp
+    # controller=off"), the off line is the same colour, dashed.
+    colours: dict[str, str] = {}
     for i, v in enumerate(report["variants"]):
+        mode = v["label"].split()[0]
+        colour = colours.setdefault(mode, f"C{len(colours)}")
+        style = "o--" if "controller=off" in v["label"] else "o-"
         runs = sorted(v["runs"], key=lambda r: r["concurrency"])
-        speed.plot([r["concurrency"] for r in runs], [r["tokens_per_s"] for r in runs], "o-",
-                   color=f"C{i}", label=v["label"])
+        speed.plot([r["concurrency"] for r in runs], [r["tokens_per_s"] for r in runs], style,
+                   color=colour, label=v["label"])
         per_pos = runs[0].get("acceptance_per_position")
         if per_pos:
-            accept.plot(range(1, len(per_pos) + 1), per_pos, "o-", color=f"C{i}",
+            accept.plot(range(1, len(per_pos) + 1), per_pos, style, color=colour,
                         label=f"{v['label']} (acc. length {runs[0]['acceptance_length']:.2f})")
     concurrencies = report["config"]["concurrency"]
     speed.set_xscale("log", base=2)

@@ -71,7 +71,7 @@ def _positive_int(text: str) -> int:
 # -- arguments -----------------------------------------------------------------------------
 
 
-def _add_engine_options(p: argparse.ArgumentParser) -> None:
+def _add_engine_options(p: argparse.ArgumentParser, bench: bool = False) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", metavar="PATH", help="GGUF file or HF model directory (default: the shipped model)")
     g.add_argument("--config", metavar="FILE", help="engine config TOML (configs/NAME.toml); flags override it")
@@ -109,6 +109,15 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                         "a cheaper draft step; 0 = the full vocabulary (default). Outputs do not change")
     g.add_argument("--tree", choices=("static", "dynamic"),
                    help="--spec eagle: a fixed tree shape, or EAGLE-2's dynamic one (default: static)")
+    g.add_argument("--speculation-controller", choices=("on", "off"), nargs="+" if bench else None,
+                   metavar="on|off",
+                   help="on: a cost model chooses each request's drafts (or tree) per step, up to its cap, to "
+                        "maximise tokens per second (turns speculation down in compute-bound batches and for "
+                        "requests whose drafts miss); off: every step verifies the cap (default: on)"
+                        + ("; bench: give both to run each speculative mode with it on and off" if bench else ""))
+    g.add_argument("--cost-curve", metavar="FILE.json",
+                   help="the controller's step-cost curve: a `bench --step-costs --json` report (default: "
+                        "measured at start-up with a few forwards, cached under ~/.cache/overlap/step_costs)")
 
 
 def _spec_mode(text: str) -> str:
@@ -183,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", metavar="OUT.png",
                        help="write a PNG: tok/s vs concurrency per mode and acceptance per position (with "
                             "--step-costs: ms vs rows per sequence)")
-    _add_engine_options(bench)
+    _add_engine_options(bench, bench=True)
 
     srv = sub.add_parser("serve", help="run the server: tokenizer, scheduler and executor processes")
     srv.add_argument("--zmq", default="tcp://127.0.0.1:5557", metavar="ADDRESS",
@@ -263,7 +272,8 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
             method=spec_method, num_spec_tokens=args.num_spec_tokens, draft_model=args.draft_model,
             head=args.head, tree_depth=args.tree_depth, tree_topk=args.tree_topk, tree_tokens=args.tree_tokens,
             draft_vocab=args.draft_vocab,
-            tree=args.tree)),
+            tree=args.tree, controller=_one(getattr(args, "speculation_controller", None)),
+            step_costs=getattr(args, "cost_curve", None))),
     )
     if config.spec.method == "eagle" and args.num_spec_tokens is not None:
         raise ValueError("--num-spec-tokens does not apply to --spec eagle: a tree step verifies --tree-tokens "
@@ -280,6 +290,11 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
         config = dataclasses.replace(config, spec=dataclasses.replace(
             config.spec, head=_head_dir(config.model, config.spec.head)))
     return config
+
+
+def _one(value):
+    """A bench option that takes several values (one variant each) configures with the first."""
+    return value[0] if isinstance(value, list) else value
 
 
 def _is_default_model(model: str | None) -> bool:
@@ -582,7 +597,12 @@ def _bench_variants(args: argparse.Namespace) -> list:
                 config = dataclasses.replace(config, spec=dataclasses.replace(config.spec, tree=k))
             elif k:
                 config = dataclasses.replace(config, spec=dataclasses.replace(config.spec, num_spec_tokens=int(k)))
-            variants.append(Variant(mode, config))
+            controllers = list(dict.fromkeys(args.speculation_controller or [config.spec.controller]))
+            for ctl in controllers if method != "none" else [config.spec.controller]:
+                label = mode if len(controllers) == 1 or method == "none" else f"{mode} controller={ctl}"
+                variants.append(Variant(label, dataclasses.replace(
+                    config, spec=dataclasses.replace(config.spec, controller=ctl))))
+            config = variants[-1].config
             if args.no_overlap:
                 variants.append(Variant(f"{mode} no-overlap", dataclasses.replace(config, overlap=False)))
             for tp in args.compare_tp or []:

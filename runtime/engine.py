@@ -24,6 +24,7 @@ from runtime.messages import RequestError, SamplingParams
 from runtime.pages import PageAllocator
 from runtime.results import Result
 from runtime.scheduler import Scheduler, SeqUpdate
+from runtime.step_costs import build_controller
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,12 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig = EngineConfig(), progress: bool = True):
+    def __init__(self, config: EngineConfig = EngineConfig(), progress: bool = True, cost_model=None,
+                 controller=None):
+        """cost_model: the speculation controller's step-cost model (tests script one); None:
+        spec.step_costs, the cached calibration, or one measured now (runtime/step_costs.py).
+        controller: a whole controller in its place (tests force choices with one)."""
+        self._cost_model, self._controller = cost_model, controller
         model_dir = resolve_model_dir(config.model, progress=progress)
         if config.tensor_parallel > 1:
             import tempfile
@@ -59,9 +65,10 @@ class Engine:
         self._setup(config, model, load_tokenizer(model_dir))
 
     @classmethod
-    def from_model(cls, config: EngineConfig, model: LlamaModel, tokenizer) -> "Engine":
+    def from_model(cls, config: EngineConfig, model: LlamaModel, tokenizer, cost_model=None) -> "Engine":
         """An engine around an already loaded target (tools that hold one reuse it)."""
         engine = cls.__new__(cls)
+        engine._cost_model, engine._controller = cost_model, None
         engine._setup(config, model, tokenizer)
         return engine
 
@@ -75,7 +82,9 @@ class Engine:
         self.executor = executor or build_executor(config, self.model)
         self.allocator = PageAllocator(config.cache.num_pages, config.cache.page_size)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
-        self.scheduler = Scheduler(sched_cfg, self.allocator, self._eos_ids())
+        self.controller = self._controller or build_controller(config, model, self._cost_model)
+        self.scheduler = Scheduler(sched_cfg, self.allocator, self._eos_ids(), self.controller,
+                                   tree_depth=config.spec.tree_depth if config.spec.method == "eagle" else 0)
         self.requests: dict[str, _Request] = {}
         self._seeds = random.Random()
 
@@ -124,7 +133,7 @@ class Engine:
         for up in updates:
             req = self.requests[up.request_id]
             text, finish, by_stop_string = req.state.on_tokens(
-                up.new_token_ids, up.finish_reason, up.num_drafts, up.num_accepted)
+                up.new_token_ids, up.finish_reason, up.num_drafts, up.num_accepted, up.spec_k)
             if by_stop_string:
                 self.scheduler.abort(up.request_id, "stop")
             delta = Delta(up.request_id, text, up.new_token_ids, finish,

@@ -97,6 +97,7 @@ class RequestStats:
     drafted_at: list[int] = field(default_factory=list)  # [i]: steps with a draft at position i
     accepted_at: list[int] = field(default_factory=list)  # [i]: of which the target accepted
     rejected_at: list[int] = field(default_factory=list)  # [i]: steps whose first rejection was at position i
+    k_chosen: dict[int, int] = field(default_factory=dict)  # k (or tree nodes) → decode steps that verified it
 
     def record_drafts(self, num_drafts: int, num_accepted: int) -> None:
         self.num_drafts += 1
@@ -121,6 +122,10 @@ class RequestStats:
             "ttft_s": (self.first_token - self.arrival) if self.first_token else None,
             "latency_s": (self.finished - self.arrival) if self.finished else None,
         }
+        if self.k_chosen:
+            steps = sum(self.k_chosen.values())
+            d.update(k_histogram={str(k): n for k, n in sorted(self.k_chosen.items())},
+                     mean_k=sum(k * n for k, n in self.k_chosen.items()) / steps)
         if self.num_drafts:
             d.update(drafts=self.num_drafts, draft_tokens=self.num_draft_tokens,
                      accepted_tokens=self.num_accepted_tokens,
@@ -143,7 +148,7 @@ class RequestState:
         self.finish_reason: str | None = None
 
     def on_tokens(self, new_ids: list[int], finish_reason: str | None, num_drafts: int = 0,
-                  num_accepted: int = 0) -> tuple[str, str | None, bool]:
+                  num_accepted: int = 0, spec_k: int | None = None) -> tuple[str, str | None, bool]:
         """Apply one step's tokens → (new text, finish reason, ended by a stop string). On the
         last one the caller must also tell the scheduler when a stop string ended it."""
         st = self.stats
@@ -155,6 +160,8 @@ class RequestState:
             st.num_output_tokens += len(new_ids)
             if num_drafts:
                 st.record_drafts(num_drafts, num_accepted)
+            if spec_k is not None and spec_k >= 0:  # the controller's choice for this step
+                st.k_chosen[spec_k] = st.k_chosen.get(spec_k, 0) + 1
         self.output_ids += new_ids
         text = self.detok.add(new_ids)
         by_stop_string = self.detok.stopped and finish_reason is None

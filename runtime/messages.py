@@ -170,6 +170,7 @@ class TokenUpdate(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tr
     finish_reason: str | None = None
     num_drafts: int = 0
     num_accepted: int = 0
+    spec_k: int = -1  # drafts (or tree nodes) the controller chose this step; -1: not a speculating decode
 
 
 class TokenBatch(msgspec.Struct, tag="tokens", frozen=True, array_like=True):

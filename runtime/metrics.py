@@ -60,6 +60,8 @@ class DaemonStats(Collector):
         yield from counter("overlap_preemptions", "Sequences preempted (recomputed later) for lack of pages",
                            "preemptions")
         yield from counter("overlap_steps", "Steps the executor ran", "steps")
+        yield from gauge("overlap_spec_mean_k", "Drafts (EAGLE: tree nodes) the speculation controller chose per "
+                         "speculating decode, averaged over the server's life", "spec_mean_k")
         yield from counter("overlap_device_busy_seconds", "Device time spent running steps", "device_busy_s")
         yield from counter("overlap_device_idle_seconds", "Device time idle between and inside steps",
                            "device_idle_s")

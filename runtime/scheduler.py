@@ -13,6 +13,7 @@ same operation, "run tokens[num_computed:]", so there is one code path for all t
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ import msgspec
 
 from overlap.batch import BatchPlan, SeqWork, StepOutput
 from overlap.config import SchedulerConfig
+from overlap.speculative.controller import Candidate, SpeculationController, chain_options, tree_options
 from runtime.messages import SamplingParams
 from runtime.pages import PageAllocator
 
@@ -57,12 +59,21 @@ class SeqUpdate:
     finish_reason: str | None
     num_drafts: int = 0
     num_accepted: int = 0
+    spec_k: int | None = None  # drafts (or tree nodes) the step verified; None: not a speculating decode
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), controller: SpeculationController | None = None,
+                 tree_depth: int = 0, clock=time.perf_counter):
+        """controller: chooses each speculating decode's drafts per step (None: every one
+        verifies its cap). tree_depth: EAGLE, a sequence's num_spec_tokens is a tree of that
+        depth (all or nothing), not a chain."""
         self.config = config
+        self.controller = controller
+        self.tree_depth = tree_depth
+        self.clock = clock
+        self._scheduled_at: dict[int, float] = {}  # step id → when it was planned (step times)
         self.allocator = allocator
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -124,12 +135,31 @@ class Scheduler:
             budget -= len(work.token_ids)
         if not works:
             return None
-        if not all(w.is_decode for w in works):
-            # Mixed prefill/decode batches do not speculate (the drafter would have to run
-            # inside the prefill); the reserved draft pages are trimmed after the step.
-            works = [msgspec.structs.replace(w, num_spec_tokens=0) for w in works]
+        # 3. how many drafts each decoding sequence verifies (a batch that carries prefill
+        # chunks still speculates for its decode rows); pages were reserved for the caps,
+        # and what a smaller choice leaves unused is trimmed after the step.
+        if self.controller is not None:
+            works = self._choose_drafts(works)
         freed, self._freed = self._freed, []
-        return BatchPlan(next(self._step_ids), works, freed)
+        plan = BatchPlan(next(self._step_ids), works, freed)
+        self._scheduled_at = {plan.step_id: self.clock()}
+        return plan
+
+    def _choose_drafts(self, works: list[SeqWork]) -> list[SeqWork]:
+        spec = [i for i, w in enumerate(works) if w.draft and w.is_decode]
+        others = [w for i, w in enumerate(works) if i not in set(spec)]
+        candidates = [Candidate(works[i].seq_id, self._options(works[i])) for i in spec]
+        chosen = dict(zip(spec, self.controller.choose(candidates, sum(len(w.token_ids) for w in others),
+                                                       sum(1 for w in others if w.sample))))
+        return [msgspec.structs.replace(w, num_spec_tokens=chosen[i].k) if i in chosen else w
+                for i, w in enumerate(works)]
+
+    def _options(self, work: SeqWork):
+        """work.num_spec_tokens is the cap this step (the request's k, less near max_tokens)."""
+        if self.tree_depth:
+            nodes = self.by_seq[work.seq_id].num_spec_tokens
+            return tree_options(nodes, self.tree_depth, work.num_spec_tokens)
+        return chain_options(work.num_spec_tokens)
 
     def _try_schedule(self, seq: Sequence, budget: int, preempt: bool) -> SeqWork | None:
         remaining = len(seq.tokens) - seq.num_computed
@@ -178,6 +208,7 @@ class Scheduler:
         """3. Record what the step produced; finish sequences that hit a stop condition."""
         updates = []
         produced = {o.seq_id: o for o in output.seqs}
+        self._observe_step(plan, output)
         for work in plan.seqs:
             seq = self.by_seq.get(work.seq_id)
             if seq is None:
@@ -192,9 +223,25 @@ class Scheduler:
                 # known token (the drafter's KV includes the last one).
                 self.allocator.trim(seq.pages, len(seq.tokens))
             if new or seq.finish_reason:
+                spec_k = work.num_spec_tokens if (work.draft and work.is_decode) else None
                 updates.append(SeqUpdate(seq.request_id, new, seq.finish_reason,
-                                         out.num_drafts if out else 0, out.num_accepted if out else 0))
+                                         out.num_drafts if out else 0, out.num_accepted if out else 0, spec_k))
         return updates
+
+    def _observe_step(self, plan: BatchPlan, output: StepOutput) -> None:
+        """Feed the controller: each sequence's verified drafts, and the step's wall time
+        (from planning to its output: host and device, as the throughput sees it)."""
+        if self.controller is None:
+            return
+        for o in output.seqs:
+            self.controller.observe(o.seq_id, o.num_drafts, o.num_accepted)
+        start = self._scheduled_at.pop(plan.step_id, None)
+        if start is not None:
+            rows = sum(len(w.token_ids) + w.num_spec_tokens for w in plan.seqs)
+            depths = [self.tree_depth if (self.tree_depth and w.num_spec_tokens) else w.num_spec_tokens
+                      for w in plan.seqs]
+            levels = [sum(1 for d in depths if d >= j) for j in range(2, max(depths, default=0) + 1)]
+            self.controller.observe_step(rows, levels, self.clock() - start)
 
     def _append(self, seq: Sequence, token_ids: list[int]) -> list[int]:
         new = []
@@ -220,6 +267,8 @@ class Scheduler:
             self.waiting.remove(seq)
         self.allocator.free(seq.pages)
         self._freed.append(seq.seq_id)
+        if self.controller is not None:
+            self.controller.forget(seq.seq_id)
         self.by_request.pop(seq.request_id, None)
         self.by_seq.pop(seq.seq_id, None)
 
@@ -232,4 +281,5 @@ class Scheduler:
             "free_pages": self.allocator.num_free,
             "total_pages": self.allocator.num_pages,
             "preemptions": self.num_preemptions,
+            **(self.controller.stats() if self.controller is not None else {}),
         }

@@ -26,7 +26,10 @@ from runtime.messages import (AbortRequest, AddRequest, Execute, FatalError, Req
                               unpack_ids)
 from runtime.pages import PageAllocator
 from runtime.procs import ServeSpec, become_child, report_fatal, report_ready
+from overlap.config import ModelConfig
+from overlap.models.loading import read_model_config
 from runtime.scheduler import Scheduler
+from runtime.step_costs import build_controller
 
 stats_log = logging.getLogger("overlap.stats")
 
@@ -74,7 +77,13 @@ class SchedulerService:
         config = spec.config
         self.allocator = PageAllocator(config.cache.num_pages, config.cache.page_size)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=spec.limits.max_model_len)
-        self.scheduler = Scheduler(sched_cfg, self.allocator, spec.eos_token_ids)
+        # No model in this process: the controller's curve comes from spec.step_costs or the
+        # cache an in-process engine or `overlap bench` calibrated, else the documented
+        # default; the step times it observes correct it online.
+        model_cfg = ModelConfig.from_hf(read_model_config(spec.model_dir)) if config.spec.method != "none" else None
+        controller = build_controller(config, model_cfg=model_cfg)
+        self.scheduler = Scheduler(sched_cfg, self.allocator, spec.eos_token_ids, controller,
+                                   tree_depth=config.spec.tree_depth if config.spec.method == "eagle" else 0)
         self.max_waiting = spec.max_waiting
         self.send_to_executor = send_to_executor
         self.send_to_tokenizer = send_to_tokenizer
@@ -98,7 +107,8 @@ class SchedulerService:
             for up in self.scheduler.update(plan, msg.output):
                 generated += len(up.new_token_ids)
                 self.updates.append(TokenUpdate(up.request_id, up.new_token_ids, up.finish_reason,
-                                                up.num_drafts, up.num_accepted))
+                                                up.num_drafts, up.num_accepted,
+                                                -1 if up.spec_k is None else up.spec_k))
             line = self.throughput.on_step(self._prompt_tokens(plan), generated, self.scheduler.stats())
             if line:
                 stats_log.info("%s", line)

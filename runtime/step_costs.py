@@ -167,3 +167,102 @@ def plot(report: dict, path: str | Path) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# -- the speculation controller's curve ------------------------------------------------------
+
+# What a drafter step costs relative to a target step, as measured on the project's CPU
+# (docs/fast_steps.md: head 0.10, draft model 0.18); n-gram drafts cost no device work.
+DRAFTER_FRACTION = {"draft": 0.18, "mtp": 0.10, "eagle": 0.10, "ngram": 0.0}
+# The target curve of docs/fast_steps.md (total rows → ms, ctx 256: batch 1 and batch 8), the
+# prior of a server that has neither a calibration nor a report; corrected online.
+DEFAULT_CURVE = {1: 16.8, 2: 17.5, 4: 19.3, 8: 27.6, 16: 36.2, 32: 52.6, 64: 84.5, 128: 162.4}
+CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def calibrate(model: LlamaModel, config: EngineConfig, context: int = 128, repeats: int = 3) -> dict[int, float]:
+    """Target ms per step vs total query rows, cheaply (a few forwards per point): up to 8
+    sequences of rows/8 rows each, the shape of a decode or verify batch."""
+    page = config.cache.page_size
+    backend = make_backend(config.attention_backend, config.device)
+    batch_max = 8
+    pages = batch_max * (-(-(context + max(CALIBRATION_ROWS)) // page)) + 1
+    kv = model.new_kv_pool(pages, page)
+
+    def target(ids, pos, meta, rows):
+        return model(ids, pos, backend, kv, meta, rows)
+
+    points = {}
+    for total in CALIBRATION_ROWS:
+        batch = min(total, batch_max)
+        points[total] = _median_ms(_Step(target, kv, backend, batch, total // batch, context, model.cfg.vocab_size),
+                                   repeats)
+    return points
+
+
+def _cache_path(config: EngineConfig, model_cfg) -> Path:
+    """Keyed by what a step's cost depends on: the architecture (not the weights), dtype,
+    kernels, backend, threads and the machine."""
+    import hashlib
+    import json
+
+    key = json.dumps([model_cfg.hidden_size, model_cfg.num_layers, model_cfg.vocab_size,
+                      model_cfg.intermediate_size, model_cfg.num_heads, model_cfg.num_kv_heads,
+                      config.dtype, config.device, config.matmul, config.attention_backend,
+                      config.cache.page_size, sorted(machine().items())], default=str)
+    name = hashlib.sha1(key.encode()).hexdigest()[:16]
+    return Path.home() / ".cache" / "overlap" / "step_costs" / f"{name}.json"
+
+
+def controller_cost_model(config: EngineConfig, model: LlamaModel | None = None, model_cfg=None,
+                          progress=None):
+    """The curve the controller plans with: spec.step_costs if given (a --step-costs report or
+    a calibration), else the cached calibration for this architecture and machine, else (with
+    the model at hand) a calibration now, cached; else the documented default."""
+    import json
+
+    from overlap.speculative.controller import StepCostModel
+
+    fraction = DRAFTER_FRACTION.get(config.spec.method, 0.1)
+    if config.spec.step_costs:
+        report = json.loads(Path(config.spec.step_costs).read_text())
+        if "target" in report:
+            return StepCostModel.from_report(report, config.spec.method)
+        return StepCostModel({int(r): ms for r, ms in report["points"].items()}, fraction)
+    cfg = model_cfg or (getattr(model, "full_cfg", None) or model.cfg if model is not None else None)
+    path = _cache_path(config, cfg) if cfg is not None else None
+    if path is not None and path.is_file():
+        try:
+            points = json.loads(path.read_text())["points"]
+            return StepCostModel({int(r): float(ms) for r, ms in points.items()}, fraction)
+        except (ValueError, KeyError):
+            pass  # a torn or old cache: measure again
+    if model is None or getattr(model, "full_cfg", None) is not None:  # no model here (or a TP shard)
+        return StepCostModel(DEFAULT_CURVE, fraction)
+    if progress:
+        progress("speculation controller: measuring the step-cost curve (cached for next time)")
+    points = calibrate(model, config)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"points": points, "machine": machine()}))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home: calibrate again next start
+    return StepCostModel(points, fraction)
+
+
+def build_controller(config: EngineConfig, model: LlamaModel | None = None, cost=None, model_cfg=None,
+                     progress=None):
+    """The scheduler's speculation controller (None when the server does not speculate).
+    With it off, no curve is needed: every step verifies the cap (its stats still count k)."""
+    from overlap.speculative.controller import ControllerConfig, SpeculationController, StepCostModel
+
+    if config.spec.method == "none":
+        return None
+    if config.spec.controller not in ("on", "off"):
+        raise ValueError(f"spec.controller must be on or off, got {config.spec.controller!r}")
+    enabled = config.spec.controller == "on"
+    if cost is None:
+        cost = controller_cost_model(config, model, model_cfg, progress) if enabled else StepCostModel({1: 1.0})
+    return SpeculationController(cost, ControllerConfig(enabled=enabled))

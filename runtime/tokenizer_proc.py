@@ -208,7 +208,7 @@ class TokenizerService:
         if live is None:
             return  # aborted while its step ran
         text, finish, by_stop_string = live.state.on_tokens(up.token_ids, up.finish_reason, up.num_drafts,
-                                                            up.num_accepted)
+                                                            up.num_accepted, up.spec_k)
         if by_stop_string:
             await self.send_to_scheduler.send(ipc.encode(AbortRequest(up.request_id)))
         stats = None

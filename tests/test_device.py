@@ -87,7 +87,7 @@ def test_event_future_blocking_and_awaited():
 
 
 def _tiny_engine(tiny_dirs, overlap: bool) -> Engine:
-    spec = SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(tiny_dirs["draft"]))
+    spec = SpecConfig(controller="off", method="draft", num_spec_tokens=3, draft_model=str(tiny_dirs["draft"]))
     return Engine(EngineConfig(model=str(tiny_dirs["target"]), spec=spec, overlap=overlap,
                                cache=CacheConfig(page_size=16, num_pages=256)), progress=False)
 

@@ -11,7 +11,7 @@ PROMPTS = [[10 + i, 20 + 3 * i, 30, 40 + i][: 2 + i % 3] for i in range(11)]  # 
 
 
 def run(tiny_dirs, method: str, graphs: str, num_pages: int = 512):
-    spec = SpecConfig(method=method, num_spec_tokens=3,
+    spec = SpecConfig(controller="off", method=method, num_spec_tokens=3,
                       draft_model=str(tiny_dirs["draft"]) if method == "draft" else None)
     eng = Engine(EngineConfig(model=str(tiny_dirs["target"]), spec=spec, graphs=graphs,
                               cache=CacheConfig(page_size=16, num_pages=num_pages),
@@ -58,7 +58,7 @@ def test_every_bucket_is_set_up_at_start_up_and_logged(tiny_dirs, caplog):
 
     with caplog.at_level(logging.INFO, logger="overlap"):
         eng = Engine(EngineConfig(model=str(tiny_dirs["target"]), graphs="on",
-                                  spec=SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(tiny_dirs["draft"])),
+                                  spec=SpecConfig(controller="off", method="draft", num_spec_tokens=3, draft_model=str(tiny_dirs["draft"])),
                                   cache=CacheConfig(page_size=16, num_pages=512),
                                   scheduler=SchedulerConfig(max_num_seqs=16)), progress=False)
         eng.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))

@@ -72,7 +72,7 @@ def guarded(executor, violations):
 
 
 def engine(tiny_dirs, heads, method, k=3, **spec):
-    cfg = SpecConfig(method=method, num_spec_tokens=k if method != "eagle" else None,
+    cfg = SpecConfig(controller="off", method=method, num_spec_tokens=k if method != "eagle" else None,
                      draft_model=str(tiny_dirs["draft"]) if method == "draft" else None,
                      head=str(heads["target"]) if method in ("mtp", "eagle") else None, **spec)
     return Engine(EngineConfig(model=str(tiny_dirs["target"]), spec=cfg, attention_backend="torch",

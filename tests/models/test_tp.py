@@ -111,7 +111,7 @@ def test_tp2_draft_target_equals_tp1(uneven_model, uneven_draft, temperature):
     from overlap.config import SpecConfig
     from runtime.messages import SamplingParams
 
-    spec = SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(uneven_draft))
+    spec = SpecConfig(controller="off", method="draft", num_spec_tokens=3, draft_model=str(uneven_draft))
     prompts = [[5, 17, 3, 9, 40, 2], [11, 7, 23]]
     params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=temperature, seed=7)
     want = token_ids(generate(uneven_model, 1, prompts, params, spec=spec))
@@ -128,8 +128,8 @@ def test_tp2_through_the_daemon(uneven_model, uneven_draft, tmp_path, method):
     from runtime.daemon import Daemon
     from runtime.messages import SamplingParams
 
-    spec = SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(uneven_draft)) if method == "draft" else \
-        SpecConfig(method="mtp", num_spec_tokens=1, head=str(random_head(uneven_model, tmp_path / "head")))
+    spec = SpecConfig(controller="off", method="draft", num_spec_tokens=3, draft_model=str(uneven_draft)) if method == "draft" else \
+        SpecConfig(controller="off", method="mtp", num_spec_tokens=1, head=str(random_head(uneven_model, tmp_path / "head")))
     prompts = [[5, 17, 3, 9, 40, 2], [11, 7, 23], [42] * 7]
     want = token_ids(generate(uneven_model, 1, prompts, SamplingParams(max_tokens=16, ignore_eos=True)))
     config = EngineConfig(model=str(uneven_model), dtype="float32", tensor_parallel=2, spec=spec)
@@ -145,7 +145,7 @@ def test_tp2_mtp_head_sharded_with_the_target(uneven_model, tmp_path, k):
     from runtime.messages import SamplingParams
 
     head = random_head(uneven_model, tmp_path / "head")
-    spec = SpecConfig(method="mtp", num_spec_tokens=k, head=str(head))
+    spec = SpecConfig(controller="off", method="mtp", num_spec_tokens=k, head=str(head))
     prompts = [[5, 17, 3, 9, 40, 2], [11, 7, 23]]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     want = token_ids(generate(uneven_model, 1, prompts, params))
@@ -171,13 +171,13 @@ def test_tp_draft_path_builds_every_tensor_on_the_rank_device(tiny_dirs):
     buffers) must be on the rank's device. Checked on the meta device: a tensor left on the
     CPU shows up as "cpu" (on a GPU it failed the first propose with a device mismatch)."""
     from overlap.config import CacheConfig, EngineConfig, SpecConfig
-    from overlap.executor import build_proposer
+    from overlap.speculative.build import build_proposer
     from overlap.tp_group import full_embeddings
 
     meta = torch.device("meta")
     holder = full_embeddings(str(tiny_dirs["target"]), torch.bfloat16, meta)
     config = EngineConfig(model=str(tiny_dirs["target"]), device="cpu", attention_backend="reference",
-                          spec=SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(tiny_dirs["draft"])),
+                          spec=SpecConfig(controller="off", method="draft", num_spec_tokens=3, draft_model=str(tiny_dirs["draft"])),
                           cache=CacheConfig(page_size=16, num_pages=8))
     proposer = build_proposer(config, holder, scratch_page=8)
     tensors = {f"holder.{n}": t for n, t in holder.state_dict().items()}

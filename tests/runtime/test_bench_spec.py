@@ -19,7 +19,7 @@ def tiny_config(tiny_dirs, method="none") -> EngineConfig:
     return EngineConfig(model=str(tiny_dirs["target"]), dtype="float32",
                         cache=CacheConfig(page_size=16, num_pages=256),
                         scheduler=SchedulerConfig(max_num_seqs=8, max_batched_tokens=256),
-                        spec=SpecConfig(method=method, num_spec_tokens=3,
+                        spec=SpecConfig(controller="off", method=method, num_spec_tokens=3,
                                         draft_model=str(tiny_dirs["draft"]) if method == "draft" else None))
 
 

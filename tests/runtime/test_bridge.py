@@ -39,7 +39,7 @@ ARTIFACTS = Path(os.environ.get("OVERLAP_ARTIFACTS", REPO / "runs" / "artifacts"
 @pytest.fixture(scope="module")
 def daemon(tiny_dirs):
     config = EngineConfig(model=str(tiny_dirs["target"]),
-                          spec=SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(tiny_dirs["draft"])),
+                          spec=SpecConfig(controller="off", method="draft", num_spec_tokens=3, draft_model=str(tiny_dirs["draft"])),
                           cache=CacheConfig(page_size=16, num_pages=256),
                           scheduler=SchedulerConfig(max_num_seqs=16, max_batched_tokens=256))
     d = Daemon(config, "tcp://127.0.0.1:*", ready_timeout_s=300, ws_listen="127.0.0.1:0", ws_token=TOKEN)

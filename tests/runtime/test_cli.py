@@ -235,6 +235,23 @@ def test_bench_no_overlap_adds_a_variant_per_mode(prompts_file, monkeypatch):
         ("none", True), ("none no-overlap", False), ("ngram", True), ("ngram no-overlap", False)]
 
 
+def test_bench_runs_each_speculative_mode_with_the_controller_on_and_off(prompts_file, monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(bench, "run_bench", lambda variants, *a, **kw: seen.extend(variants) or {})
+    monkeypatch.setattr(bench, "format_report", lambda report: "")
+    curve = tmp_path / "costs.json"
+    assert cli.main(["bench", "--prompts", str(prompts_file), "--spec", "none", "ngram",
+                     "--speculation-controller", "on", "off", "--cost-curve", str(curve)]) == 0
+    assert [(v.label, v.config.spec.controller) for v in seen] == [
+        ("none", "on"), ("ngram controller=on", "on"), ("ngram controller=off", "off")]
+    assert all(v.config.spec.step_costs == str(curve) for v in seen)
+
+
+def test_generate_takes_the_controller_switch():
+    args = cli.build_parser().parse_args(["generate", "x", "--spec", "ngram", "--speculation-controller", "off"])
+    assert cli.engine_config(args, args.spec).spec.controller == "off"
+
+
 def test_compare_inprocess_needs_server(prompts_file, capsys):
     assert cli.main(["bench", "--prompts", str(prompts_file), "--compare-inprocess"]) == 2
     assert "--compare-inprocess needs --server" in capsys.readouterr().err

@@ -33,7 +33,7 @@ NUM_PAGES = 256
 
 def tiny_config(tiny_dirs) -> EngineConfig:
     return EngineConfig(model=str(tiny_dirs["target"]),
-                        spec=SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(tiny_dirs["draft"])),
+                        spec=SpecConfig(controller="off", method="draft", num_spec_tokens=3, draft_model=str(tiny_dirs["draft"])),
                         cache=CacheConfig(page_size=16, num_pages=NUM_PAGES),
                         scheduler=SchedulerConfig(max_num_seqs=16, max_batched_tokens=256))
 

@@ -136,3 +136,60 @@ def test_admission_queue_is_bounded_with_an_overloaded_error():
     assert len(service.scheduler.waiting) == 3
     service.schedule()  # admitted requests leave the queue, so new ones fit again
     assert to_executor and len(service.scheduler.waiting) < 3
+
+
+class FixedChoices:
+    """A controller double: records what it was asked, gives each candidate option `pick`
+    (clamped to what it may take)."""
+
+    def __init__(self, pick):
+        self.pick, self.asked, self.observed, self.steps, self.forgotten = pick, [], [], [], []
+
+    def choose(self, candidates, other_rows=0, other_tokens=0):
+        self.asked.append(([c.options for c in candidates], other_rows, other_tokens))
+        return [c.options[min(self.pick, len(c.options) - 1)] for c in candidates]
+
+    def observe(self, key, num_drafts, num_accepted):
+        self.observed.append((key, num_drafts, num_accepted))
+
+    def observe_step(self, rows, drafter_rows, seconds):
+        self.steps.append((rows, drafter_rows, seconds))
+
+    def forget(self, key):
+        self.forgotten.append(key)
+
+    def stats(self):
+        return {"spec_controller": "double"}
+
+
+def test_a_batch_with_a_prefill_chunk_still_speculates_for_its_decodes():
+    ctl = FixedChoices(pick=2)
+    clock = iter(range(100)).__next__
+    s = Scheduler(SchedulerConfig(max_batched_tokens=64), PageAllocator(64, 4), (2,), ctl, clock=clock)
+    s.add("a", [10, 11, 12], SamplingParams(max_tokens=20), seed=0, num_spec_tokens=3)
+    fake_run(s)  # a's prefill
+    s.add("b", list(range(100, 110)), SamplingParams(max_tokens=20), seed=1, num_spec_tokens=3)
+    plan = s.schedule()
+    a, b = plan.seqs
+    assert a.is_decode and a.num_spec_tokens == 2 and b.num_spec_tokens == 0 and not plan.is_decode_only
+    options, other_rows, other_tokens = ctl.asked[-1]
+    assert [o.k for o in options[0]] == [0, 1, 2, 3] and other_rows == 10 and other_tokens == 1
+    out = StepOutput(plan.step_id, [SeqOutput(a.seq_id, [7, 7], 2, 1), SeqOutput(b.seq_id, [7])])
+    updates = s.update(plan, out)
+    assert (a.seq_id, 2, 1) in ctl.observed
+    assert ctl.steps[-1][0] == 1 + 2 + 10 and ctl.steps[-1][2] > 0  # rows: decode + drafts + chunk
+    assert [u.spec_k for u in updates] == [2, None]  # b's step was a prefill
+    assert s.stats()["spec_controller"] == "double"
+
+
+def test_tree_requests_are_offered_all_or_nothing():
+    ctl = FixedChoices(pick=1)
+    s = Scheduler(SchedulerConfig(), PageAllocator(64, 4), (2,), ctl, tree_depth=3)
+    s.add("a", [10, 11], SamplingParams(max_tokens=20), seed=0, num_spec_tokens=6)
+    s.add("b", [10, 11], SamplingParams(max_tokens=3), seed=0, num_spec_tokens=6)
+    fake_run(s)
+    plan = s.schedule()
+    options = ctl.asked[-1][0]
+    assert [(o.rows, o.depth) for o in options[0]] == [(0, 0), (6, 3)]
+    assert [(o.rows, o.depth) for o in options[1]] == [(0, 0)]  # no room for the tree before max_tokens
+    assert [w.num_spec_tokens for w in plan.seqs] == [6, 0]

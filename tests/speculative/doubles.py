@@ -105,3 +105,41 @@ def patch_verifier(monkeypatch, bug: str, at_depth: int | None = None) -> None:
     kw = broken(bug, at_depth)
     monkeypatch.setattr(overlap.executor, "verify_chain", functools.partial(verify_chain, **kw))
     monkeypatch.setattr(overlap.executor, "verify_tree", functools.partial(verify_tree, **kw))
+
+
+class RandomChoices:
+    """A speculation controller that picks each decoding sequence's option at random (seeded):
+    every step mixes chains of different lengths, trees and plain rows, which a real
+    controller would only do on some workloads. Counts what it chose, per option."""
+
+    def __init__(self, seed: int = 0, plain_weight: float = 0.25):
+        import random
+
+        self.rng = random.Random(seed)
+        self.plain_weight = plain_weight
+        self.chosen: dict[int, int] = {}
+        self.mixed_steps = 0  # steps whose decoding sequences did not all get the same option
+
+    def choose(self, candidates, other_rows=0, other_tokens=0):
+        picked = []
+        for c in candidates:
+            if len(c.options) > 1 and self.rng.random() >= self.plain_weight:
+                picked.append(self.rng.choice(c.options[1:]))
+            else:
+                picked.append(c.options[0])
+        for o in picked:
+            self.chosen[o.k] = self.chosen.get(o.k, 0) + 1
+        self.mixed_steps += len({o.k for o in picked}) > 1
+        return picked
+
+    def observe(self, key, num_drafts, num_accepted):
+        pass
+
+    def observe_step(self, rows, drafter_rows, seconds):
+        pass
+
+    def forget(self, key):
+        pass
+
+    def stats(self):
+        return {"spec_k_histogram": {str(k): n for k, n in sorted(self.chosen.items())}}

@@ -19,14 +19,14 @@ from speculative.test_spec_engine import prompts
 
 
 def engine(tiny_dirs, heads, target="target", depth=3, topk=2, tokens=6, page_size=16, num_pages=512,
-           tree="static", **sched):
-    spec = SpecConfig(method="eagle", head=str(heads[target]), tree_depth=depth, tree_topk=topk, tree_tokens=tokens,
+           tree="static", controller=None, **sched):
+    spec = SpecConfig(controller="off", method="eagle", head=str(heads[target]), tree_depth=depth, tree_topk=topk, tree_tokens=tokens,
                       tree=tree)
     return Engine(EngineConfig(model=str(tiny_dirs[target]), spec=spec,
                                cache=CacheConfig(page_size=page_size, num_pages=num_pages),
                                scheduler=SchedulerConfig(**{"max_num_seqs": 64, "max_batched_tokens": 512,
                                                             **sched})),
-                  progress=False)
+                  progress=False, controller=controller)
 
 
 @pytest.mark.parametrize("batch", [1, 4, pytest.param(16, marks=pytest.mark.slow)])  # 16: in the full suite

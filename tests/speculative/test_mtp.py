@@ -18,13 +18,14 @@ from speculative.engine_stats import check_engine_law
 from speculative.test_spec_engine import prompts
 
 
-def engine(tiny_dirs, heads, method="mtp", k=1, target="target", page_size=16, num_pages=512, **sched):
-    spec = SpecConfig(method=method, num_spec_tokens=k, head=str(heads[target]) if method == "mtp" else None)
+def engine(tiny_dirs, heads, method="mtp", k=1, target="target", page_size=16, num_pages=512, controller=None,
+           **sched):
+    spec = SpecConfig(controller="off", method=method, num_spec_tokens=k, head=str(heads[target]) if method == "mtp" else None)
     return Engine(EngineConfig(model=str(tiny_dirs[target]), spec=spec,
                                cache=CacheConfig(page_size=page_size, num_pages=num_pages),
                                scheduler=SchedulerConfig(**{"max_num_seqs": 64, "max_batched_tokens": 512,
                                                             **sched})),
-                  progress=False)
+                  progress=False, controller=controller)
 
 
 @pytest.mark.parametrize("k", [1, 3])
@@ -49,7 +50,7 @@ def test_greedy_mtp_with_preemption_and_chunked_prefill(tiny_dirs, heads, greedy
 
 def test_greedy_mtp_with_graph_padding(tiny_dirs, heads, greedy_reference):
     ps = prompts(5, seed=41)
-    spec = SpecConfig(method="mtp", num_spec_tokens=1, head=str(heads["target"]))
+    spec = SpecConfig(controller="off", method="mtp", num_spec_tokens=1, head=str(heads["target"]))
     eng = Engine(EngineConfig(model=str(tiny_dirs["target"]), spec=spec, graphs="on"), progress=False)
     assert [r.token_ids for r in eng.generate(ps, SamplingParams(max_tokens=20, ignore_eos=True))] == greedy_reference(ps, 20)
 
@@ -160,7 +161,7 @@ def test_k1_reruns_the_head_behind_verification_without_a_host_sync(tiny_dirs, h
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_k1_schedule_has_no_cuda_sync_between_verify_and_rerun(tiny_dirs, heads):
     eng = Engine(EngineConfig(model=str(tiny_dirs["target"]), device="cuda", dtype="bfloat16",
-                              spec=SpecConfig(method="mtp", num_spec_tokens=1, head=str(heads["target"]))),
+                              spec=SpecConfig(controller="off", method="mtp", num_spec_tokens=1, head=str(heads["target"]))),
                  progress=False)
     eng.generate([[5, 6, 7]], SamplingParams(max_tokens=4))  # warm-up
     proposer, executor = eng.executor.proposer, eng.executor
@@ -185,7 +186,7 @@ def test_greedy_mtp_through_the_daemon(tiny_dirs, heads, greedy_reference):
 
     ps = prompts(6, seed=51)
     config = EngineConfig(model=str(tiny_dirs["target"]), cache=CacheConfig(page_size=16, num_pages=256),
-                          spec=SpecConfig(method="mtp", num_spec_tokens=3, head=str(heads["target"])))
+                          spec=SpecConfig(controller="off", method="mtp", num_spec_tokens=3, head=str(heads["target"])))
     with Daemon(config, "tcp://127.0.0.1:*", ready_timeout_s=300) as d, Client(d.endpoint, timeout=120) as c:
         for k in (1, 3):
             ids = [c.submit(p, max_tokens=20, ignore_eos=True, num_spec_tokens=k) for p in ps]

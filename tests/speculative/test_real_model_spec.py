@@ -24,8 +24,8 @@ def plain(smol_dir):
 
 
 @pytest.mark.parametrize("spec", [
-    SpecConfig(method="draft", num_spec_tokens=4, draft_model=str(default_draft_dir())),
-    SpecConfig(method="ngram", num_spec_tokens=4),
+    SpecConfig(controller="off", method="draft", num_spec_tokens=4, draft_model=str(default_draft_dir())),
+    SpecConfig(controller="off", method="ngram", num_spec_tokens=4),
 ])
 def test_shipped_drafters_keep_greedy_output(smol_dir, plain, spec):
     engine = Engine(EngineConfig(model=str(smol_dir), spec=spec), progress=False)

@@ -18,14 +18,14 @@ from speculative.markov import law_rejected
 
 
 def engine(tiny_dirs, method="none", draft="draft", target="target", k=3, page_size=16,
-           num_pages=512, max_num_seqs=64, max_batched_tokens=512) -> Engine:
-    spec = SpecConfig(method=method, num_spec_tokens=k,
+           num_pages=512, max_num_seqs=64, max_batched_tokens=512, controller=None) -> Engine:
+    spec = SpecConfig(controller="off", method=method, num_spec_tokens=k,
                       draft_model=str(tiny_dirs[draft]) if method == "draft" else None)
     return Engine(EngineConfig(model=str(tiny_dirs[target]), spec=spec,
                                cache=CacheConfig(page_size=page_size, num_pages=num_pages),
                                scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                                          max_batched_tokens=max_batched_tokens)),
-                  progress=False)
+                  progress=False, controller=controller)
 
 
 def prompts(n, seed):

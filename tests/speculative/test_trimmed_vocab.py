@@ -25,7 +25,7 @@ def trimmed_head(head_dir, tmp_path, ranked: list[int]):
 
 
 def engine(tiny_dirs, head, target, draft_vocab, k=3, **cache):
-    spec = SpecConfig(method="mtp", num_spec_tokens=k, head=str(head), draft_vocab=draft_vocab)
+    spec = SpecConfig(controller="off", method="mtp", num_spec_tokens=k, head=str(head), draft_vocab=draft_vocab)
     return Engine(EngineConfig(model=str(tiny_dirs[target]), spec=spec, cache=CacheConfig(**cache),
                                scheduler=SchedulerConfig(max_num_seqs=1000, max_batched_tokens=8192)),
                   progress=False)

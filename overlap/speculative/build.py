@@ -1,0 +1,49 @@
+"""build_proposer: the configured drafter (SpecConfig.method) around a loaded target.
+
+Its own module so the executor knows only the Proposer interface, not every drafter's
+constructor and files.
+"""
+
+from __future__ import annotations
+
+from overlap.attention import make_backend
+from overlap.config import EngineConfig
+from overlap.models.heads import load_head
+from overlap.models.llama import LlamaModel
+from overlap.speculative.base import Proposer
+from overlap.speculative.draft_target import DraftTargetProposer, load_draft
+from overlap.speculative.eagle import DynamicEagleProposer, EagleProposer
+from overlap.speculative.mtp import MTPProposer
+from overlap.speculative.ngram import NgramProposer
+from overlap.speculative.tree import TreeShape
+
+
+def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | None = None) -> Proposer | None:
+    spec = config.spec
+    if spec.method == "none":
+        return None
+    if spec.method == "ngram":
+        return NgramProposer(model.cfg.vocab_size, config.device, spec.ngram_min, spec.ngram_max)
+    if spec.method == "draft":
+        if not spec.draft_model:
+            raise ValueError("spec method 'draft' needs spec.draft_model (a draft directory)")
+        draft = load_draft(spec.draft_model, model)
+        return DraftTargetProposer(draft, make_backend(config.attention_backend, config.device),
+                                   config.cache.num_pages, config.cache.page_size, scratch_page)
+    if spec.method in ("mtp", "eagle"):
+        if not spec.head:
+            raise ValueError(f"spec method {spec.method!r} needs spec.head (an MTP head directory)")
+        head = load_head(spec.head, model, draft_vocab=spec.draft_vocab)
+        # A multi-layer (EAGLE-3) head reads several target layers: the target's forward returns
+        # them from the same pass (no extra pass, no host copy), in place of its final hidden.
+        model.feature_layers = head.feature_layers
+        backend = make_backend(config.attention_backend, config.device)
+        pages = (config.cache.num_pages, config.cache.page_size)
+        if spec.method == "mtp":
+            return MTPProposer(head, backend, *pages, scratch_page)
+        if spec.tree == "dynamic":
+            return DynamicEagleProposer(head, backend, *pages, spec.tree_depth, spec.tree_topk, spec.tree_tokens,
+                                        scratch_page)
+        shape = TreeShape.default(spec.tree_depth, spec.tree_topk, spec.tree_tokens)
+        return EagleProposer(head, backend, *pages, shape, scratch_page)
+    raise ValueError(f"unknown spec method {spec.method!r} (none | draft | ngram | mtp | eagle)")

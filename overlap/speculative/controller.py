@@ -1,0 +1,291 @@
+"""The speculation controller: how many drafts each sequence verifies this step.
+
+Speculation pays only while a step's extra rows cost less than the tokens they win
+(docs/architecture.md §8): speedup ≈ acceptance_length / (r(q) + k·c). At batch 1 a verify
+row is nearly free, so full k wins; in a compute-bound batch every row costs about as much
+as a plain decode row, and drafts that are rejected only slow the batch down. So each step
+the controller picks, per sequence, one option (0..k drafts, or for EAGLE no tree / the
+tree) to maximise
+
+    expected tokens of the step / predicted time of the step,
+
+where a sequence's expected tokens with d drafts deep are 1 + Σ_{j≤d} Π_{m≤j} a[m], a[m]
+being its own exponential average of "draft m accepted, given drafts 1..m-1 were"; and the
+step's time is the target's cost at the batch's total rows plus the drafter's steps (level
+j >= 2 runs over the sequences still drafting at depth j; draft 1 comes from the carried
+distribution), from `StepCostModel`: a cost
+curve (ms vs rows) measured at start-up or loaded from a cache, corrected online from the
+step times the runtime observes.
+
+The choice is greedy in marginal tokens per marginal row: the sequence whose next option wins
+the most per extra row goes first, and the best configuration seen along the way is kept
+(a cost curve with steps makes the rate non-monotone, so the search does not stop at the
+first loss). Per-request caps (`SamplingParams.spec`, `num_spec_tokens`, room before
+max_tokens) bound the options; the controller never exceeds them.
+
+Pure and deterministic given its inputs: tests drive it with a scripted cost model.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Hashable, Protocol
+
+
+@dataclass(frozen=True)
+class SpecOption:
+    """One thing a sequence may do this step."""
+
+    rows: int  # verify rows on top of the sequence's own tokens (chain: k; tree: its nodes)
+    depth: int  # how many draft positions can be accepted (chain: k; tree: its depth)
+
+    @property
+    def k(self) -> int:
+        return self.rows
+
+
+PLAIN = SpecOption(0, 0)
+
+
+def chain_options(cap: int) -> list[SpecOption]:
+    """0..cap drafts in a chain."""
+    return [SpecOption(k, k) for k in range(cap + 1)]
+
+
+def tree_options(nodes: int, depth: int, cap: int) -> list[SpecOption]:
+    """No tree, or the whole tree when the request has room for it (cap >= nodes)."""
+    return [PLAIN, SpecOption(nodes, depth)] if cap >= nodes > 0 else [PLAIN]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A decoding sequence the controller chooses for."""
+
+    key: Hashable  # the sequence (its acceptance history)
+    options: list[SpecOption]  # options[0] is PLAIN; ordered by rows
+
+
+class CostModel(Protocol):
+    def step_ms(self, rows: int) -> float: ...  # a target step over `rows` query rows
+
+    def drafter_ms(self, rows: int) -> float: ...  # one drafter step over `rows` sequences
+
+    def observe(self, rows: int, drafter_rows: list[int], ms: float) -> None: ...
+
+
+class StepCostModel:
+    """Target ms vs total query rows: piecewise linear between measured points, linear past
+    the last; the drafter step is `drafter_fraction` of a target step over the same rows.
+
+    Online correction: each observed step (its rows, the drafter's levels and its wall time)
+    updates an exponential average of observed / predicted for the rows bucket it fell in
+    (buckets by powers of two), so a curve measured under other conditions (another context
+    length, a busier machine) bends toward what the server actually sees. A correction
+    per bucket, not one scale, because one scale never changes a decision (the rate's
+    argmax is scale-free): only the curve's shape does."""
+
+    def __init__(self, points: dict[int, float], drafter_fraction: float = 0.0, alpha: float = 0.1):
+        if not points or 1 not in points:
+            raise ValueError("a step-cost curve needs at least the 1-row cost")
+        self.rows = sorted(points)
+        self.ms = [float(points[r]) for r in self.rows]
+        self.drafter_fraction = drafter_fraction
+        self.alpha = alpha
+        self.correction: dict[int, float] = {}  # bucket → observed / predicted (EMA)
+
+    @classmethod
+    def from_report(cls, report: dict, drafter: str | None = None, batch=None) -> "StepCostModel":
+        """From `overlap bench --step-costs --json` (runtime/step_costs.py): total rows =
+        batch × rows per sequence for each measured batch; the drafter's fraction from the
+        report's head (mtp/eagle) or draft (draft-target) measurements."""
+        points: dict[int, float] = {}
+        for b, costs in report["target"].items():
+            for rows, ms in costs.items():
+                points.setdefault(int(b) * int(rows), float(ms))
+        fraction = 0.0
+        key = {"mtp": "head", "eagle": "head", "draft": "draft"}.get(drafter or "")
+        if key and f"{key}_fraction" in report:
+            fraction = min(float(v) for v in report[f"{key}_fraction"].values())
+        return cls(points, fraction)
+
+    def as_dict(self) -> dict:
+        # String keys: the stats travel as JSON too (HTTP, bench reports).
+        return {"points": {str(r): ms for r, ms in zip(self.rows, self.ms)}, "drafter_fraction": self.drafter_fraction,
+                "correction": {str(1 << (b - 1)): c for b, c in sorted(self.correction.items())}}
+
+    @staticmethod
+    def _bucket(rows: int) -> int:
+        return max(rows, 1).bit_length()
+
+    def _base(self, rows: int) -> float:
+        rows = max(rows, 1)
+        i = bisect.bisect_left(self.rows, rows)
+        if i < len(self.rows) and self.rows[i] == rows:
+            return self.ms[i]
+        if i == len(self.rows):  # past the last point: the last segment's slope (or per-row cost)
+            if len(self.rows) == 1:
+                return self.ms[0] * rows
+            r0, r1, m0, m1 = self.rows[-2], self.rows[-1], self.ms[-2], self.ms[-1]
+        else:
+            r0, r1, m0, m1 = self.rows[i - 1], self.rows[i], self.ms[i - 1], self.ms[i]
+        return m0 + (m1 - m0) * (rows - r0) / (r1 - r0)
+
+    def step_ms(self, rows: int) -> float:
+        return self._base(rows) * self.correction.get(self._bucket(rows), 1.0)
+
+    def drafter_ms(self, rows: int) -> float:
+        return self.drafter_fraction * self.step_ms(rows) if rows else 0.0
+
+    def observe(self, rows: int, drafter_rows: list[int], ms: float) -> None:
+        predicted = self._base(rows) + sum(self.drafter_fraction * self._base(n) for n in drafter_rows if n)
+        if predicted <= 0 or ms <= 0:
+            return
+        b = self._bucket(rows)
+        ratio = min(4.0, max(0.25, ms / predicted))  # one stalled step must not rewrite the curve
+        old = self.correction.get(b, 1.0)
+        self.correction[b] = old + self.alpha * (ratio - old)
+
+
+@dataclass
+class Acceptance:
+    """One sequence's per-position acceptance: a[m] = P(draft m accepted | drafts < m were),
+    an exponential average over the steps that verified position m."""
+
+    prior: float
+    alpha: float
+    rates: list[float] = field(default_factory=list)
+
+    def at(self, position: int) -> float:  # 1-based
+        return self.rates[position - 1] if position <= len(self.rates) else self.prior
+
+    def expected_tokens(self, depth: int) -> float:
+        """1 (the recovered or bonus token) + the expected accepted drafts of a chain `depth` long."""
+        total, reach = 1.0, 1.0
+        for m in range(1, depth + 1):
+            reach *= self.at(m)
+            total += reach
+        return total
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """A verified step: drafts 1..num_accepted accepted, num_accepted+1 (if drafted) rejected;
+        deeper positions were not tested, so they keep their estimate."""
+        tested = min(num_drafts, num_accepted + 1)
+        while len(self.rates) < tested:
+            self.rates.append(self.prior)
+        for m in range(1, tested + 1):
+            hit = 1.0 if m <= num_accepted else 0.0
+            self.rates[m - 1] += self.alpha * (hit - self.rates[m - 1])
+
+    def relax(self, rate: float) -> None:
+        """A step without drafts: drift toward the prior, so a sequence turned off is tried
+        again eventually (its acceptance may have recovered) instead of never being measured."""
+        for m in range(len(self.rates)):
+            self.rates[m] += rate * (self.prior - self.rates[m])
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    enabled: bool = True  # off: every sequence verifies its cap (the fixed-k behaviour)
+    prior: float = 0.6  # acceptance assumed before a sequence has been measured
+    alpha: float = 0.3  # weight of the newest step in a sequence's acceptance average
+    relax: float = 0.02  # per plain step, pull toward the prior (re-probing a turned-off sequence)
+    min_gain: float = 1.0 + 1e-6  # speculate only if the predicted rate beats plain decoding by this factor
+
+
+class SpeculationController:
+    def __init__(self, cost: CostModel, config: ControllerConfig = ControllerConfig()):
+        self.cost = cost
+        self.config = config
+        self.acceptance: dict[Hashable, Acceptance] = {}
+        self.chosen = Counter()  # k (verify rows) chosen per decoding sequence, over all steps
+        self.steps = 0
+
+    def _acc(self, key: Hashable) -> Acceptance:
+        acc = self.acceptance.get(key)
+        if acc is None:
+            acc = self.acceptance[key] = Acceptance(self.config.prior, self.config.alpha)
+        return acc
+
+    # -- per step ----------------------------------------------------------------------------
+
+    def choose(self, candidates: list[Candidate], other_rows: int = 0, other_tokens: int = 0) -> list[SpecOption]:
+        """One option per candidate. other_rows: the batch's rows that are not decode rows of a
+        candidate (prefill chunks, sequences that do not speculate); other_tokens: the tokens
+        those produce (one per chunk that ends its prompt, one per plain decode)."""
+        self.steps += 1
+        if not self.config.enabled:
+            picked = [c.options[-1] for c in candidates]
+        else:
+            picked = self._search(candidates, other_rows, other_tokens)
+        for c, o in zip(candidates, picked):
+            self.chosen[o.k] += 1
+            if o.depth == 0:
+                self._acc(c.key).relax(self.config.relax)
+        return picked
+
+    def _time(self, rows: int, levels: list[int]) -> float:
+        return self.cost.step_ms(rows) + sum(self.cost.drafter_ms(n) for n in levels if n)
+
+    def _search(self, candidates: list[Candidate], other_rows: int, other_tokens: int) -> list[SpecOption]:
+        n = len(candidates)
+        level = [0] * n  # index into each candidate's options
+        accs = [self._acc(c.key) for c in candidates]
+        rows = other_rows + n
+        tokens = other_tokens + float(n)
+        max_depth = max((c.options[-1].depth for c in candidates), default=0)
+        drafting = [0] * (max_depth + 1)  # drafting[j]: sequences drafting at depth >= j (j >= 1)
+        plain_rate = tokens / self._time(rows, [])
+        best_rate, best_len, path = plain_rate * self.config.min_gain, 0, []
+
+        def push(heap, i):
+            if level[i] + 1 < len(candidates[i].options):
+                cur, nxt = candidates[i].options[level[i]], candidates[i].options[level[i] + 1]
+                gain = accs[i].expected_tokens(nxt.depth) - accs[i].expected_tokens(cur.depth)
+                heapq.heappush(heap, (-gain / max(1, nxt.rows - cur.rows), i))
+
+        heap: list = []
+        for i in range(n):
+            push(heap, i)
+        while heap:
+            _, i = heapq.heappop(heap)
+            cur, nxt = candidates[i].options[level[i]], candidates[i].options[level[i] + 1]
+            tokens += accs[i].expected_tokens(nxt.depth) - accs[i].expected_tokens(cur.depth)
+            rows += nxt.rows - cur.rows
+            for j in range(cur.depth + 1, nxt.depth + 1):
+                drafting[j] += 1
+            level[i] += 1
+            path.append(i)
+            # Draft 1 comes from the carried distribution; each deeper one costs a drafter step.
+            rate = tokens / self._time(rows, drafting[2:])
+            if rate > best_rate:
+                best_rate, best_len = rate, len(path)
+            push(heap, i)
+        final = [0] * n
+        for i in path[:best_len]:
+            final[i] += 1
+        return [c.options[final[i]] for i, c in enumerate(candidates)]
+
+    # -- feedback ----------------------------------------------------------------------------
+
+    def observe(self, key: Hashable, num_drafts: int, num_accepted: int) -> None:
+        """A sequence's verified step (num_drafts: drafts proposed, or the tree's depth)."""
+        if num_drafts:
+            self._acc(key).observe(num_drafts, num_accepted)
+
+    def observe_step(self, rows: int, drafter_rows: list[int], seconds: float) -> None:
+        self.cost.observe(rows, drafter_rows, seconds * 1e3)
+
+    def forget(self, key: Hashable) -> None:
+        self.acceptance.pop(key, None)
+
+    def stats(self) -> dict:
+        total = sum(self.chosen.values())
+        mean = sum(k * c for k, c in self.chosen.items()) / total if total else 0.0
+        out = {"spec_controller": "on" if self.config.enabled else "off", "spec_mean_k": mean,
+               "spec_k_histogram": {str(k): c for k, c in sorted(self.chosen.items())}}
+        if isinstance(self.cost, StepCostModel):
+            out["spec_cost_model"] = self.cost.as_dict()
+        return out

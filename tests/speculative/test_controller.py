@@ -1,0 +1,136 @@
+"""The speculation controller on scripted cost curves: full k when rows are cheap and drafts
+land, nothing when rows are expensive or drafts miss, and a per-request back-off."""
+
+import pytest
+
+from overlap.speculative.controller import (PLAIN, Candidate, ControllerConfig, SpecOption, SpeculationController,
+                                            StepCostModel, chain_options, tree_options)
+
+
+class Scripted:
+    """ms = base + per_row · rows; the drafter costs `drafter` of a target step per level."""
+
+    def __init__(self, base=10.0, per_row=0.0, drafter=0.0):
+        self.base, self.per_row, self.drafter = base, per_row, drafter
+        self.seen = []
+
+    def step_ms(self, rows):
+        return self.base + self.per_row * rows
+
+    def drafter_ms(self, rows):
+        return self.drafter * self.step_ms(rows)
+
+    def observe(self, rows, drafter_rows, ms):
+        self.seen.append((rows, ms))
+
+
+def controller(cost, **kw):
+    return SpeculationController(cost, ControllerConfig(**kw))
+
+
+def train(ctl, key, accepted, k=4, steps=20):
+    """`steps` verified steps of k drafts, the first `accepted` of them accepted each time."""
+    for _ in range(steps):
+        ctl.observe(key, k, accepted)
+
+
+def test_flat_curve_and_high_acceptance_picks_full_k():
+    ctl = controller(Scripted(per_row=0.0))
+    train(ctl, "a", 4)
+    assert ctl.choose([Candidate("a", chain_options(4))]) == [SpecOption(4, 4)]
+
+
+def test_batch_one_with_the_measured_cpu_curve_runs_full_k():
+    # docs/fast_steps.md, batch 1 at ctx 256: 16.8 ms at 1 row, r(4) = 1.15, r(9) = 1.57; head 0.10.
+    cost = StepCostModel({1: 16.8, 2: 17.5, 4: 19.3, 5: 20.5, 8: 24.5, 9: 26.4, 16: 40.0}, drafter_fraction=0.10)
+    ctl = controller(cost, prior=0.8)
+    assert ctl.choose([Candidate(0, chain_options(3))]) == [SpecOption(3, 3)]
+
+
+@pytest.mark.parametrize("per_row", [10.0, 50.0])
+def test_steep_curve_picks_no_drafts(per_row):
+    # Every row costs about a plain decode row (compute-bound), and drafts land often but not
+    # always (3 of 4, then none, alternately): a draft row wins less than a token.
+    ctl = controller(Scripted(base=1.0, per_row=per_row, drafter=0.05))
+    cands = [Candidate(i, chain_options(4)) for i in range(8)]
+    for i in range(8):
+        for step in range(20):
+            ctl.observe(i, 4, 3 if step % 2 else 0)
+    assert ctl.choose(cands) == [PLAIN] * 8
+
+
+def test_zero_acceptance_picks_no_drafts_even_on_a_flat_curve():
+    ctl = controller(Scripted(per_row=0.01, drafter=0.1))
+    train(ctl, "a", 0)
+    assert ctl.choose([Candidate("a", chain_options(4))]) == [PLAIN]
+
+
+def test_backs_off_a_request_whose_acceptance_drops_within_a_few_steps():
+    ctl = controller(Scripted(base=10.0, per_row=1.0, drafter=0.05))
+    train(ctl, "a", 4)
+    train(ctl, "b", 4)
+    cands = [Candidate("a", chain_options(4)), Candidate("b", chain_options(4))]
+    assert [o.k for o in ctl.choose(cands)] == [4, 4]
+    for step in range(1, 11):  # "a" starts producing unpredictable text: every first draft rejected
+        ctl.observe("a", 4, 0)
+        ctl.observe("b", 4, 4)
+        ks = [o.k for o in ctl.choose(cands)]
+        if ks[0] == 0:
+            break
+    assert ks == [0, 4], ks
+    assert step <= 6, f"took {step} steps to back off"
+
+
+def test_caps_are_respected_and_choices_mix_per_sequence():
+    ctl = controller(Scripted(base=10.0, per_row=0.5))
+    train(ctl, "good", 4)
+    train(ctl, "meh", 1)
+    cands = [Candidate("good", chain_options(2)), Candidate("meh", chain_options(4)), Candidate("off", [PLAIN])]
+    picked = ctl.choose(cands)
+    assert picked[0].k == 2 and picked[2] == PLAIN
+    assert picked[1].k == 1  # its second draft never lands: verifying it only costs
+
+
+def test_tree_options_are_all_or_nothing_and_need_room():
+    assert tree_options(6, 3, cap=6) == [PLAIN, SpecOption(6, 3)]
+    assert tree_options(6, 3, cap=5) == [PLAIN]
+    ctl = controller(Scripted(per_row=0.0))
+    train(ctl, "t", 3, k=3)
+    assert ctl.choose([Candidate("t", tree_options(6, 3, 6))]) == [SpecOption(6, 3)]
+    steep = controller(Scripted(base=1.0, per_row=10.0))
+    assert steep.choose([Candidate("t", tree_options(6, 3, 6))]) == [PLAIN]
+
+
+def test_off_runs_every_cap_and_stats_show_the_choices():
+    ctl = controller(Scripted(base=1.0, per_row=10.0), enabled=False)
+    picked = ctl.choose([Candidate(0, chain_options(3)), Candidate(1, chain_options(1))])
+    assert [o.k for o in picked] == [3, 1]
+    stats = ctl.stats()
+    assert stats["spec_controller"] == "off" and stats["spec_k_histogram"] == {"1": 1, "3": 1}
+    assert stats["spec_mean_k"] == 2.0
+
+
+def test_a_turned_off_request_is_probed_again_eventually():
+    ctl = controller(Scripted(base=10.0, per_row=1.0), relax=0.1)
+    train(ctl, "a", 0)
+    cands = [Candidate("a", chain_options(2))]
+    ks = [ctl.choose(cands)[0].k for _ in range(100)]
+    assert ks[0] == 0 and any(ks), "never re-measured"
+
+
+def test_cost_model_interpolates_and_corrects_its_shape_online():
+    cost = StepCostModel({1: 10.0, 4: 13.0, 16: 40.0})
+    assert cost.step_ms(2) == pytest.approx(11.0)
+    assert cost.step_ms(32) == pytest.approx(40.0 + 27.0 / 12 * 16)
+    for _ in range(200):
+        cost.observe(16, [], 80.0)  # the large batch runs twice as slow as calibrated
+    assert cost.step_ms(16) == pytest.approx(80.0, rel=0.02)
+    assert cost.step_ms(1) == pytest.approx(10.0)  # other buckets keep their calibration
+
+
+def test_cost_model_from_a_step_costs_report():
+    report = {"target": {"1": {"1": 16.8, "4": 19.3}, "8": {"1": 27.6, "4": 52.8}},
+              "head_fraction": {"1": 0.1, "8": 0.12}, "draft_fraction": {"1": 0.18, "8": 0.2}}
+    cost = StepCostModel.from_report(report, "mtp")
+    assert cost.step_ms(1) == 16.8 and cost.step_ms(8) == 27.6 and cost.step_ms(32) == 52.8
+    assert cost.drafter_fraction == 0.1
