@@ -35,6 +35,8 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None
     stats: dict | None = None  # usage, latency and speculation stats (last delta only)
+    token_depths: list[int] = field(default_factory=list)  # per token id: 0 target, d accepted draft (runtime/origins.py)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # text as (characters, depth) runs
 
 
 @dataclass
@@ -123,12 +125,11 @@ class Engine:
         deltas = []
         for up in updates:
             req = self.requests[up.request_id]
-            text, finish, by_stop_string = req.state.on_tokens(
-                up.new_token_ids, up.finish_reason, up.num_drafts, up.num_accepted)
-            if by_stop_string:
+            got = req.state.on_tokens(up.new_token_ids, up.finish_reason, up.num_drafts, up.num_accepted)
+            if got.by_stop_string:
                 self.scheduler.abort(up.request_id, "stop")
-            delta = Delta(up.request_id, text, up.new_token_ids, finish,
-                          req.state.stats.as_dict() if finish else None)
+            delta = Delta(up.request_id, got.text, up.new_token_ids, got.finish_reason,
+                          req.state.stats.as_dict() if got.finish_reason else None, got.token_depths, got.spans)
             req.pending.append(delta)
             deltas.append(delta)
         return deltas
