@@ -56,7 +56,8 @@ def _depths(page, output: str) -> list[int]:
     return page.eval_on_selector_all(f"#{output} span.tok", "els => els.map((e) => Number(e.dataset.depth))")
 
 
-def test_page_colours_tokens_by_origin_and_compares_with_speculation_off(daemon, page):
+@pytest.mark.slow  # the shipped model in a daemon of its own, and three generations of it
+def test_page_colours_tokens_by_origin_and_compares_with_speculation_off(page, daemon):
     with Client(daemon.endpoint, timeout=300) as client:
         want = client.generate(PROMPT, max_tokens=MAX_TOKENS)
     base = daemon.ws_endpoint.replace("ws://", "http://")
