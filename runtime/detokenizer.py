@@ -3,9 +3,10 @@
 Text is emitted only once it is final: a token can be half of a multi-byte UTF-8 character
 (decoding alone gives U+FFFD) and byte-level BPE merges can change how earlier tokens read,
 so we decode a small window (prefix_offset..end) and emit what extends past read_offset, the
-scheme vLLM and TGI use. `token_ends` records where the final text ended after each output
-token, so the text can be credited to the tokens that produced it (runtime/origins.py). Stop strings are matched on the emitted text, and text is held back
-while it could still be the start of a stop string.
+scheme vLLM and TGI use. Stop strings are matched on the emitted text, and text is held back
+while it could still be the start of a stop string. `token_ends` records where the final text
+ended after each output token, so text can be credited to the token that produced it
+(runtime/origins.py).
 """
 
 from __future__ import annotations

@@ -35,8 +35,10 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None
     stats: dict | None = None  # usage, latency and speculation stats (last delta only)
-    token_depths: list[int] = field(default_factory=list)  # per token id: 0 target, d accepted draft (runtime/origins.py)
-    spans: list[tuple[int, int]] = field(default_factory=list)  # text as (characters, depth) runs
+    # How each token came (runtime/origins.py): per token id, 0 = the target's own token, d = a
+    # draft accepted at depth d; and `text` as (characters, depth) runs, one per token.
+    token_depths: list[int] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

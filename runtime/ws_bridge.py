@@ -18,10 +18,10 @@ Protocol (one JSON object per websocket text message):
     {"type": "done", "id": "a1", "text": "", "token_ids": [], "depths": [], "pieces": [],
      "finish_reason": "stop" | "length" | "abort", "usage": {...}, "spec": {...} | null}
     {"type": "info", "model": "...", "spec": "ngram" | "draft" | ... | "none", "num_spec_tokens": 3}
+    {"type": "error", "id": "a1" | null, "field": "params.max_tokens" | null, "code": "...", "message": "..."}
 `depths` says how each token came (aligned with token_ids): 0 = the target's own token, d = a
 draft the target accepted at depth d of its step; `pieces` is `text` cut per token with that
 token's depth, for the page to colour (runtime/origins.py).
-    {"type": "error", "id": "a1" | null, "field": "params.max_tokens" | null, "code": "...", "message": "..."}
 Every request ends with exactly one `done` (finish_reason "abort" after a cancel, with the
 usage so far) or one `error`. An error's `field` is the path of the offending value in the
 request as sent: "prompt", "messages", "id", "params.max_tokens", "spec.mode", ...
