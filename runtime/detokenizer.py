@@ -4,7 +4,9 @@ Text is emitted only once it is final: a token can be half of a multi-byte UTF-8
 (decoding alone gives U+FFFD) and byte-level BPE merges can change how earlier tokens read,
 so we decode a small window (prefix_offset..end) and emit what extends past read_offset, the
 scheme vLLM and TGI use. Stop strings are matched on the emitted text, and text is held back
-while it could still be the start of a stop string.
+while it could still be the start of a stop string. `token_ends` records where the final text
+ended after each output token, so text can be credited to the token that produced it
+(runtime/origins.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class IncrementalDetokenizer:
         self.stop = tuple(stop)
         self.text = ""  # all output text that is final
         self.sent = 0  # how much of self.text has been handed out
+        self.token_ends: list[int] = []  # [i]: len(self.text) after output token i was decoded
         self.stopped = False
 
     def add(self, token_ids: list[int]) -> str:
@@ -29,6 +32,7 @@ class IncrementalDetokenizer:
                 break
             self.ids.append(tok)
             self._decode_one()
+            self.token_ends.append(len(self.text))
         return self._take(final=False)
 
     def flush(self) -> str:

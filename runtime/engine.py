@@ -36,6 +36,10 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None = None
     stats: dict | None = None  # usage, latency and speculation stats (last delta only)
+    # How each token came (runtime/origins.py): per token id, 0 = the target's own token, d = a
+    # draft accepted at depth d; and `text` as (characters, depth) runs, one per token.
+    token_depths: list[int] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -132,12 +136,12 @@ class Engine:
         deltas = []
         for up in updates:
             req = self.requests[up.request_id]
-            text, finish, by_stop_string = req.state.on_tokens(
-                up.new_token_ids, up.finish_reason, up.num_drafts, up.num_accepted, up.spec_k)
-            if by_stop_string:
+            got = req.state.on_tokens(up.new_token_ids, up.finish_reason, up.num_drafts, up.num_accepted,
+                                      up.spec_k)
+            if got.by_stop_string:
                 self.scheduler.abort(up.request_id, "stop")
-            delta = Delta(up.request_id, text, up.new_token_ids, finish,
-                          req.state.stats.as_dict() if finish else None)
+            delta = Delta(up.request_id, got.text, up.new_token_ids, got.finish_reason,
+                          req.state.stats.as_dict() if got.finish_reason else None, got.token_depths, got.spans)
             req.pending.append(delta)
             deltas.append(delta)
         return deltas

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from overlap.config import EngineConfig, ModelConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.messages import RequestError, SamplingParams
+from runtime.origins import spans, token_depths
 
 MAX_NUM_SPEC_TOKENS = 16
 
@@ -136,6 +138,16 @@ class RequestStats:
         return d
 
 
+class StepText(NamedTuple):
+    """What one step's tokens added to a request's stream."""
+
+    text: str  # new text that is final
+    finish_reason: str | None
+    by_stop_string: bool  # a stop string ended it: the caller must tell the scheduler
+    token_depths: list[int]  # per new token: 0 the target's own, d a draft accepted at depth d
+    spans: list[tuple[int, int]]  # `text` as (characters, depth) runs, one per token (runtime/origins.py)
+
+
 class RequestState:
     """One request between admission and its last delta: detokenizer, output, stats."""
 
@@ -144,13 +156,15 @@ class RequestState:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.stop)
         self.stats = RequestStats(num_prompt_tokens=len(prompt_ids), arrival=time.perf_counter())
         self.output_ids: list[int] = []
+        self.depths: list[int] = []  # per output token, as StepText.token_depths
         self.text = ""
         self.finish_reason: str | None = None
 
     def on_tokens(self, new_ids: list[int], finish_reason: str | None, num_drafts: int = 0,
-                  num_accepted: int = 0, spec_k: int | None = None) -> tuple[str, str | None, bool]:
-        """Apply one step's tokens → (new text, finish reason, ended by a stop string). On the
-        last one the caller must also tell the scheduler when a stop string ended it."""
+                  num_accepted: int = 0, spec_k: int | None = None) -> StepText:
+        """Apply one step's tokens (`num_accepted` of them accepted drafts, runtime/origins.py;
+        `spec_k` the drafts the controller chose). When a stop string ended the request the
+        caller must also tell the scheduler."""
         st = self.stats
         now = time.perf_counter()
         if new_ids:
@@ -163,6 +177,9 @@ class RequestState:
             if spec_k is not None and spec_k >= 0:  # the controller's choice for this step
                 st.k_chosen[spec_k] = st.k_chosen.get(spec_k, 0) + 1
         self.output_ids += new_ids
+        depths = token_depths(len(new_ids), num_accepted)
+        self.depths += depths
+        start = self.detok.sent
         text = self.detok.add(new_ids)
         by_stop_string = self.detok.stopped and finish_reason is None
         if by_stop_string:
@@ -171,7 +188,8 @@ class RequestState:
             text += self.detok.flush()
             self.finish(finish_reason)
         self.text += text
-        return text, finish_reason, by_stop_string
+        runs = spans(self.detok.token_ends, self.depths, start, start + len(text)) if text else []
+        return StepText(text, finish_reason, by_stop_string, depths, runs)
 
     def finish(self, reason: str) -> None:
         self.finish_reason = reason

@@ -119,6 +119,11 @@ class Delta(msgspec.Struct, tag="delta", frozen=True, omit_defaults=True):
     token_ids: list[int]
     finish_reason: str | None = None
     stats: dict | None = None  # usage, latency and speculation stats (last delta only)
+    # Added fields (older clients ignore them): each token's origin, 0 = the target's own token,
+    # d = a draft accepted at depth d, aligned with token_ids; and `text` cut per token into
+    # (characters, depth) runs. runtime/origins.py defines both.
+    token_depths: list[int] = []
+    spans: list[tuple[int, int]] = []
 
 
 class Error(msgspec.Struct, tag="error", frozen=True, omit_defaults=True):
@@ -136,6 +141,7 @@ class HealthReply(msgspec.Struct, tag="health_reply", frozen=True):
     model: str
     spec: str
     uptime_s: float
+    num_spec_tokens: int = 0  # drafts per step by default (tree nodes for eagle); 0 without speculation
 
 
 class StatsReply(msgspec.Struct, tag="stats_reply", frozen=True):

@@ -108,7 +108,8 @@ class TokenizerService:
             await self._abort(identity, msg.request_id)
         elif isinstance(msg, Health):
             await self._reply(identity, HealthReply(msg.query_id, self.failed is None, self.spec.model_name,
-                                                    self.spec.config.spec.method, time.monotonic() - self.started))
+                                                    self.spec.config.spec.method, time.monotonic() - self.started,
+                                                    self.limits.default_num_spec_tokens))
         elif isinstance(msg, Stats):
             await self._reply(identity, StatsReply(msg.query_id, await self.stats()))
 
@@ -207,17 +208,17 @@ class TokenizerService:
         live = self.live.get(up.request_id)
         if live is None:
             return  # aborted while its step ran
-        text, finish, by_stop_string = live.state.on_tokens(up.token_ids, up.finish_reason, up.num_drafts,
-                                                            up.num_accepted, up.spec_k)
-        if by_stop_string:
+        got = live.state.on_tokens(up.token_ids, up.finish_reason, up.num_drafts, up.num_accepted, up.spec_k)
+        if got.by_stop_string:
             await self.send_to_scheduler.send(ipc.encode(AbortRequest(up.request_id)))
         stats = None
-        if finish:
+        if got.finish_reason:
             self._drop(up.request_id)
             self.counts["finished"] += 1
             stats = live.state.stats.as_dict()
-            self._log_finished(live, stats, finish)
-        await self._reply(live.identity, Delta(live.client_request_id, text, up.token_ids, finish, stats))
+            self._log_finished(live, stats, got.finish_reason)
+        await self._reply(live.identity, Delta(live.client_request_id, got.text, up.token_ids, got.finish_reason,
+                                               stats, got.token_depths, got.spans))
 
     @staticmethod
     def _log_finished(live: _Live, stats: dict, finish_reason: str) -> None:

@@ -11,11 +11,17 @@ Protocol (one JSON object per websocket text message):
      "params": {"max_tokens": 64, "temperature": 0.7, "top_p": .., "top_k": .., "seed": .., "stop": [..]},
      "spec": {"mode": "draft" | "none", "num_spec_tokens": 3}}            ("type" defaults to generate)
     {"type": "cancel", "id": "a1"}                                         (the request ends with done/abort)
+    {"type": "info"}                                                       (what the server runs)
   bridge → client
-    {"type": "delta", "id": "a1", "text": "...", "token_ids": [...]}       (as tokens are produced)
-    {"type": "done", "id": "a1", "text": "", "token_ids": [], "finish_reason": "stop" | "length" |
-     "abort", "usage": {...}, "spec": {...} | null}
+    {"type": "delta", "id": "a1", "text": "...", "token_ids": [...],       (as tokens are produced)
+     "depths": [...], "pieces": [["...", depth], ...]}
+    {"type": "done", "id": "a1", "text": "", "token_ids": [], "depths": [], "pieces": [],
+     "finish_reason": "stop" | "length" | "abort", "usage": {...}, "spec": {...} | null}
+    {"type": "info", "model": "...", "spec": "ngram" | "draft" | ... | "none", "num_spec_tokens": 3}
     {"type": "error", "id": "a1" | null, "field": "params.max_tokens" | null, "code": "...", "message": "..."}
+`depths` says how each token came (aligned with token_ids): 0 = the target's own token, d = a
+draft the target accepted at depth d of its step; `pieces` is `text` cut per token with that
+token's depth, for the page to colour (runtime/origins.py).
 Every request ends with exactly one `done` (finish_reason "abort" after a cancel, with the
 usage so far) or one `error`. An error's `field` is the path of the offending value in the
 request as sent: "prompt", "messages", "id", "params.max_tokens", "spec.mode", ...
@@ -43,7 +49,8 @@ from websockets.asyncio.server import ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 
 from runtime.client import AsyncClient, ClientTimeout, ServerError
-from runtime.messages import ChatMessage, SamplingParams
+from runtime.messages import ChatMessage, Delta, SamplingParams
+from runtime.origins import split_text
 
 TOKEN_ENV = "OVERLAP_BRIDGE_TOKEN"
 MAX_MESSAGE_BYTES = 1 << 20  # a larger message closes the connection (code 1009)
@@ -85,7 +92,11 @@ class WsCancel(msgspec.Struct, tag="cancel", frozen=True, forbid_unknown_fields=
     id: str
 
 
-_decoder = msgspec.json.Decoder(WsGenerate | WsCancel)
+class WsInfo(msgspec.Struct, tag="info", frozen=True, forbid_unknown_fields=True):
+    pass
+
+
+WsRequest = WsGenerate | WsCancel | WsInfo
 
 
 class BadRequest(ValueError):
@@ -95,7 +106,7 @@ class BadRequest(ValueError):
         self.request_id = request_id
 
 
-def decode_request(raw: str | bytes) -> WsGenerate | WsCancel:
+def decode_request(raw: str | bytes) -> WsRequest:
     """JSON text → request; anything else raises BadRequest naming the field at fault."""
     if isinstance(raw, str):
         raw = raw.encode()
@@ -108,7 +119,7 @@ def decode_request(raw: str | bytes) -> WsGenerate | WsCancel:
     request_id = obj.get("id") if isinstance(obj.get("id"), str) else None
     obj.setdefault("type", "generate")
     try:
-        return msgspec.convert(obj, WsGenerate | WsCancel)
+        return msgspec.convert(obj, WsRequest)
     except msgspec.ValidationError as e:
         # msgspec says where: "... - at `$.params.max_tokens`"; report that as the field.
         where = re.search(r"at `\$\.?([^`]*)`", str(e))
@@ -134,13 +145,19 @@ def _sampling(req: WsGenerate, served_mode: str) -> SamplingParams:
     return msgspec.structs.replace(req.params, **changes) if changes else req.params
 
 
-def _done(request_id: str, text: str, token_ids: list[int], finish_reason: str, stats: dict | None) -> dict:
-    stats = stats or {}
+def _delta(request_id: str, d: Delta) -> dict:
+    """A client `Delta` as the page wants it: its text cut per token, each piece with its depth."""
+    return {"type": "delta", "id": request_id, "text": d.text, "token_ids": d.token_ids,
+            "depths": d.token_depths, "pieces": split_text(d.text, d.spans)}
+
+
+def _done(request_id: str, d: Delta) -> dict:
+    stats = d.stats or {}
     spec = None
     if "drafts" in stats:
         spec = {k: stats[k] for k in ("drafts", "draft_tokens", "accepted_tokens", "acceptance_length",
                                       "drafted_per_position", "accepted_per_position")}
-    return {"type": "done", "id": request_id, "text": text, "token_ids": token_ids, "finish_reason": finish_reason,
+    return {**_delta(request_id, d), "type": "done", "finish_reason": d.finish_reason,
             "usage": {"prompt_tokens": stats.get("prompt_tokens"), "completion_tokens": stats.get("output_tokens"),
                       "ttft_s": stats.get("ttft_s"), "latency_s": stats.get("latency_s")},
             "spec": spec}
@@ -171,6 +188,7 @@ class Bridge:
         self.page = PAGE.read_text().replace(AUTH_MARKER, AUTH_MARKER.replace("none", "token")
                                              if token else AUTH_MARKER)
         self.served_mode: str | None = None
+        self.info: dict | None = None  # what `{"type": "info"}` answers: the server's model and speculation
         self.connections = 0
 
     # -- HTTP side: the page, and the token check before the websocket handshake ------------
@@ -201,10 +219,16 @@ class Bridge:
         running: dict[str, asyncio.Task] = {}
         try:
             if self.served_mode is None:
-                self.served_mode = (await client.health())["spec"]
+                health = await client.health()
+                self.served_mode = health["spec"]
+                self.info = {"type": "info", "model": health["model"], "spec": health["spec"],
+                             "num_spec_tokens": health.get("num_spec_tokens", 0)}
             async for raw in ws:
                 try:
                     req = decode_request(raw)
+                    if isinstance(req, WsInfo):
+                        await ws.send(json.dumps(self.info))
+                        continue
                     if isinstance(req, WsCancel):
                         # The server ends the request with a final "abort" delta (and its usage),
                         # which its task forwards as the one `done`. The request was sent before
@@ -246,9 +270,9 @@ class Bridge:
         try:
             async for d in deltas:
                 if d.finish_reason:
-                    await ws.send(json.dumps(_done(req.id, d.text, d.token_ids, d.finish_reason, d.stats)))
+                    await ws.send(json.dumps(_done(req.id, d)))
                     return
-                await ws.send(json.dumps({"type": "delta", "id": req.id, "text": d.text, "token_ids": d.token_ids}))
+                await ws.send(json.dumps(_delta(req.id, d)))
         except ServerError as e:
             field, message = _ws_field(e.field, req), e.message
             if e.field and field != e.field and message.startswith(f"{e.field}: "):

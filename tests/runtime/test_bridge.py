@@ -96,6 +96,23 @@ def test_ws_stream_equals_the_client_library(daemon, client):
     assert done["spec"]["drafts"] > 0 and len(done["spec"]["accepted_per_position"]) == 3
 
 
+def test_ws_info_and_token_origins(daemon):
+    """{"type": "info"} names the model and the speculation mode; every delta says how each token
+    came (depths aligned with token_ids) and cuts its text into pieces per token (runtime/origins.py)."""
+    with ws_connect(daemon) as ws:
+        ws.send(json.dumps({"type": "info"}))
+        info = json.loads(ws.recv(timeout=60))
+        assert info == {"type": "info", "model": str(daemon.config.model), "spec": "draft", "num_spec_tokens": 3}
+        msgs = ws_run(ws, {"id": "o", "prompt": "def fibonacci(n):", "params": {"max_tokens": 20, "ignore_eos": True}})
+        off = ws_run(ws, {"id": "p", "prompt": "def fibonacci(n):", "params": {"max_tokens": 20, "ignore_eos": True},
+                          "spec": {"mode": "none"}})
+    for m in msgs + off:
+        assert len(m["depths"]) == len(m["token_ids"]) and "".join(p for p, _ in m["pieces"]) == m["text"], m
+    depths = [d for m in msgs for d in m["depths"]]
+    assert sum(d > 0 for d in depths) == msgs[-1]["spec"]["accepted_tokens"]
+    assert max(depths) <= 3 and {d for m in off for d in m["depths"]} == {0}
+
+
 def test_ws_chat_spec_off_and_several_requests_with_cancel(daemon, client):
     with ws_connect(daemon) as ws:
         ws.send(json.dumps({"id": "long", "prompt": [5, 6, 7], "params": {"max_tokens": 900, "ignore_eos": True}}))
