@@ -90,6 +90,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                         "results depend on the batch, so greedy outputs may part at near-ties)")
     g.add_argument("--page-size", type=_positive_int, metavar="N", help="tokens per KV page")
     g.add_argument("--num-pages", type=_positive_int, metavar="N", help="KV pages in the cache")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
+                   help="do not keep full KV pages for later requests that share a prefix (prefix caching "
+                        "is on by default: docs/prefix_caching.md)")
     g.add_argument("--max-num-seqs", type=_positive_int, metavar="N", help="sequences per batch")
     g.add_argument("--max-batched-tokens", type=_positive_int, metavar="N", help="tokens per step")
     g.add_argument("--num-spec-tokens", type=_positive_int, metavar="K",
@@ -256,7 +259,8 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
         config,
         **given(model=args.model, dtype=args.dtype, tensor_parallel=args.tp, device=args.device,
                 attention_backend=args.attention_backend, matmul=getattr(args, "matmul", None)),
-        cache=dataclasses.replace(config.cache, **given(page_size=args.page_size, num_pages=args.num_pages)),
+        cache=dataclasses.replace(config.cache, **given(page_size=args.page_size, num_pages=args.num_pages,
+                                                        prefix_caching=getattr(args, "prefix_caching", None))),
         scheduler=dataclasses.replace(config.scheduler, **given(
             max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens)),
         spec=dataclasses.replace(config.spec, **given(

@@ -22,6 +22,7 @@ from overlap.models.loading import load_tokenizer, resolve_model_dir
 from runtime.frontend import RequestLimits, RequestState, encode_prompt, eos_token_ids, validate_request
 from runtime.messages import RequestError, SamplingParams
 from runtime.pages import PageAllocator
+from runtime.prefix_cache import build_prefix_cache
 from runtime.results import Result
 from runtime.scheduler import Scheduler, SeqUpdate
 
@@ -75,7 +76,8 @@ class Engine:
         self.executor = executor or build_executor(config, self.model)
         self.allocator = PageAllocator(config.cache.num_pages, config.cache.page_size)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
-        self.scheduler = Scheduler(sched_cfg, self.allocator, self._eos_ids())
+        self.scheduler = Scheduler(sched_cfg, self.allocator, self._eos_ids(),
+                                   build_prefix_cache(config, self.allocator))
         self.requests: dict[str, _Request] = {}
         self._seeds = random.Random()
 

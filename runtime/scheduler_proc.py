@@ -25,6 +25,7 @@ from runtime.messages import (AbortRequest, AddRequest, Execute, FatalError, Req
                               SchedulerStats, StatsQuery, StepResult, TokenBatch, TokenUpdate,
                               unpack_ids)
 from runtime.pages import PageAllocator
+from runtime.prefix_cache import build_prefix_cache
 from runtime.procs import ServeSpec, become_child, report_fatal, report_ready
 from runtime.scheduler import Scheduler
 
@@ -74,7 +75,8 @@ class SchedulerService:
         config = spec.config
         self.allocator = PageAllocator(config.cache.num_pages, config.cache.page_size)
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=spec.limits.max_model_len)
-        self.scheduler = Scheduler(sched_cfg, self.allocator, spec.eos_token_ids)
+        self.scheduler = Scheduler(sched_cfg, self.allocator, spec.eos_token_ids,
+                                   build_prefix_cache(config, self.allocator))
         self.max_waiting = spec.max_waiting
         self.send_to_executor = send_to_executor
         self.send_to_tokenizer = send_to_tokenizer
