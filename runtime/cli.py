@@ -183,6 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "the table, --json writes it, --plot draws ms vs rows")
     bench.add_argument("--context", type=_positive_int, default=256, metavar="N",
                        help="with --step-costs: cached tokens per sequence (default: 256)")
+    bench.add_argument("--shared-prefix", type=_positive_int, metavar="N",
+                       help="put the same N tokens of a long system prompt in front of every prompt, and run "
+                            "every mode with the prefix cache and without (\"MODE no-prefix-cache\"): the TTFT "
+                            "the cache saves (at --concurrency 1 every measured request hits it)")
     bench.add_argument("--plot", metavar="OUT.png",
                        help="write a PNG: tok/s vs concurrency per mode and acceptance per position (with "
                             "--step-costs: ms vs rows per sequence)")
@@ -453,7 +457,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # variant is the baseline for speedups and for the identical-outputs check.
     variants = _bench_variants(args)
     report = run_bench(variants, prompts, args.max_tokens, args.concurrency, compare_hf=args.compare_hf,
-                       make_engine=make_engine)
+                       make_engine=make_engine, shared_prefix=args.shared_prefix or 0)
     print(format_report(report))
     if args.json:
         write_report(report, args.json)
@@ -587,6 +591,9 @@ def _bench_variants(args: argparse.Namespace) -> list:
             elif k:
                 config = dataclasses.replace(config, spec=dataclasses.replace(config.spec, num_spec_tokens=int(k)))
             variants.append(Variant(mode, config))
+            if args.shared_prefix and config.cache.prefix_caching:
+                variants.append(Variant(f"{mode} no-prefix-cache", dataclasses.replace(
+                    config, cache=dataclasses.replace(config.cache, prefix_caching=False))))
             if args.no_overlap:
                 variants.append(Variant(f"{mode} no-overlap", dataclasses.replace(config, overlap=False)))
             for tp in args.compare_tp or []:
