@@ -72,6 +72,9 @@ class ModelConfig:
 class CacheConfig:
     page_size: int = 16
     num_pages: int = 1024  # shared by every sequence; the draft pool uses the same page ids
+    # Full pages stay cached after their request ends and are shared by requests with the same
+    # prefix (runtime/prefix_cache.py); evicted least-recently-used when pages run out.
+    prefix_caching: bool = True
 
 
 @dataclass(frozen=True)

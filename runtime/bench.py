@@ -24,6 +24,11 @@ Metrics (per variant and concurrency):
   concurrency. Greedy speculative decoding is lossless, so anything short of N/N is a bug.
 - by prompt kind (when the JSONL lines carry "kind"): acceptance length and decode tokens/s
   per request (tokens after the first delta / time from first to last delta), averaged.
+- prefix cache (engines that have one): the share of the prompt tokens of the run's requests
+  whose KV was found cached. With `shared_prefix` = N every prompt starts with the same N
+  tokens of a long system prompt (`shared_prefix_ids`); the warm-up request caches them, so at
+  concurrency 1 every measured request is a cache hit, and the TTFT of a variant with the
+  prefix cache against one without (same mode) is the time the cache saves.
 The bandwidth floor is the time to read every weight once per decode step at the
 machine's measured copy bandwidth; efficiency = floor / measured ms per token (mean ITL at
 the lowest concurrency, prefill excluded).
@@ -87,6 +92,28 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[Prompt]:
     if not prompts:
         raise ValueError(f"prompts file {path} holds no prompts")
     return prompts
+
+
+# A system prompt long enough to share a few thousand tokens (repeated as needed): the common
+# head of every prompt in a shared-prefix run, as a chat service puts in front of each turn.
+SYSTEM_PROMPT = (
+    "You are a meticulous assistant for a software team. Answer in plain English, precisely and "
+    "briefly. When you write code, write Python 3 that follows PEP 8, with type hints and a short "
+    "docstring, and explain only what is not obvious from the code. Prefer the standard library. "
+    "Never invent an API: if you are not sure a function exists, say so. When a question is "
+    "ambiguous, state the assumption you make and answer under it. Keep secrets out of examples: "
+    "use placeholders for keys, passwords and hostnames. For shell commands, assume bash on Linux "
+    "and quote every variable. For numbers, give units. For dates, use ISO 8601. If the user asks "
+    "for a review, list problems by severity, then suggest fixes with the smallest change that "
+    "works. If the user asks for a design, name the trade-offs and recommend one option. "
+)
+
+
+def shared_prefix_ids(tokenizer, num_tokens: int) -> list[int]:
+    """The first `num_tokens` tokens of SYSTEM_PROMPT repeated: the prefix a shared-prefix run
+    puts in front of every prompt."""
+    unit = tokenizer.encode(SYSTEM_PROMPT)
+    return (unit * (num_tokens // len(unit) + 1))[:num_tokens]
 
 
 # -- driving requests ----------------------------------------------------------------------
@@ -241,6 +268,15 @@ def drive(client: StreamClient, prompts: Sequence[list[int]], params: SamplingPa
     return traces, time.perf_counter() - start
 
 
+def prefix_cache_use(before: dict, after: dict) -> dict | None:
+    """Prompt tokens looked up in the prefix cache over one run, and how many hit."""
+    keys = ("prefix_cache_queried_tokens", "prefix_cache_hit_tokens")
+    if not all(k in after for k in keys):
+        return None
+    queried, hit = (after[k] - before.get(k, 0) for k in keys)
+    return {"queried_tokens": queried, "hit_tokens": hit, "hit_rate": hit / queried if queried else None}
+
+
 def _pct(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
@@ -349,9 +385,11 @@ def _progress(total: int, desc: str, enabled: bool):
                 leave=False)
 
 
-def encode_prompts(tokenizer, max_model_len: int, prompts: list[Prompt]) -> list[list[int]]:
-    """Raw prompt text → ids (no chat template); refuse prompts that leave no room to generate."""
-    ids = [tokenizer.encode(p.text) for p in prompts]
+def encode_prompts(tokenizer, max_model_len: int, prompts: list[Prompt], shared_prefix: int = 0) -> list[list[int]]:
+    """Raw prompt text → ids (no chat template), behind `shared_prefix` tokens of the shared
+    system prompt; refuse prompts that leave no room to generate."""
+    prefix = shared_prefix_ids(tokenizer, shared_prefix) if shared_prefix else []
+    ids = [prefix + tokenizer.encode(p.text) for p in prompts]
     for i, p in enumerate(ids):
         if len(p) >= max_model_len:
             raise RequestError(f"prompt {i + 1}", f"{len(p)} tokens does not fit the context of "
@@ -373,10 +411,11 @@ def bench_variant(client, prompt_ids: list[list[int]], max_tokens: int,
         with _progress(len(prompt_ids), f"{label} c={c}", progress) as bar:
             traces, wall = drive(client, prompt_ids, params, c, on_finish=bar.update)
         rates = [r for r in map(decode_tokens_per_s, traces) if r is not None]
+        after = client.counters()
         runs.append({"concurrency": c, **summarize(traces, wall),
                      "decode_tokens_per_s": float(np.mean(rates)) if rates else None,
                      **acceptance([t.stats for t in traces]), "by_kind": by_kind(traces, kinds),
-                     "device": device_timing(before, client.counters()),
+                     "device": device_timing(before, after), "prefix_cache": prefix_cache_use(before, after),
                      "outputs": [{"kind": k, "token_ids": t.token_ids, "finish_reason": t.finish_reason,
                                   "stats": t.stats} for t, k in zip(traces, kinds)]})
     return runs
@@ -407,9 +446,9 @@ def compare_outputs(ours: list[list[int]], ref: list[list[int]], exact: bool = F
 
 def run_bench(variants: list[Variant | tuple[str, EngineConfig]], prompts: list[str | Prompt], max_tokens: int,
               concurrencies: list[int], compare_hf: bool = False, progress: bool = True,
-              make_engine: Callable[[EngineConfig], Engine] = Engine) -> dict:
+              make_engine: Callable[[EngineConfig], Engine] = Engine, shared_prefix: int = 0) -> dict:
     """Benchmark each variant in turn; speedups and identical outputs are relative to the
-    first variant.
+    first variant. `shared_prefix`: tokens of a common system prompt in front of every prompt.
 
     The HF reference and the bandwidth efficiency use the first variant at the lowest
     concurrency (1 unless the caller left it out).
@@ -423,7 +462,7 @@ def run_bench(variants: list[Variant | tuple[str, EngineConfig]], prompts: list[
                    "torch": torch.__version__, "threads": torch.get_num_threads(),
                    "machine": platform.machine(), "cpus": os.cpu_count(),
                    # Other processes on the cores make every timing here noisy; record it.
-                   "load_avg_1m": os.getloadavg()[0], "prompt_kinds": kinds},
+                   "load_avg_1m": os.getloadavg()[0], "prompt_kinds": kinds, "shared_prefix_tokens": shared_prefix},
         "bandwidth": {"copy_bytes_per_s": copy_bandwidth(), "method": "numpy copy, 256 MB, best of 5"},
         "variants": [],
         "hf": None,
@@ -436,14 +475,15 @@ def run_bench(variants: list[Variant | tuple[str, EngineConfig]], prompts: list[
         if v.server is None:
             engine = make_engine(v.config)
             client = EngineClient(engine)
-            prompt_ids = prompt_ids or encode_prompts(engine.tokenizer, engine.max_model_len, prompts)
+            prompt_ids = prompt_ids or encode_prompts(engine.tokenizer, engine.max_model_len, prompts, shared_prefix)
             wbytes = weight_bytes(engine.model)
         else:
             client = ServerClient(v.server, v.spec_on)
             if prompt_ids is None:
                 from overlap.models.loading import load_tokenizer
 
-                prompt_ids = encode_prompts(load_tokenizer(model_dir), v.config.scheduler.max_model_len, prompts)
+                prompt_ids = encode_prompts(load_tokenizer(model_dir), v.config.scheduler.max_model_len, prompts,
+                                            shared_prefix)
         try:
             runs = bench_variant(client, prompt_ids, max_tokens, concurrencies, v.label, progress, kinds)
         finally:
@@ -541,6 +581,7 @@ def format_report(report: dict) -> str:
                "share of it that ran while the device was busy")
     if kind_lines:
         out += ["by prompt kind (per-request decode tok/s, averaged):", *kind_lines]
+    out += prefix_cache_lines(report)
     out.append("")
     bw = report["bandwidth"]["copy_bytes_per_s"]
     c = min(report["config"]["concurrency"])
@@ -563,6 +604,43 @@ def format_report(report: dict) -> str:
                    f"{hf['identical']}/{hf['compared']} (common prefix per prompt: "
                    f"{' '.join(map(str, hf['common_prefix']))})")
     return "\n".join(out)
+
+
+def ttft_with_and_without_cache(report: dict) -> list[dict]:
+    """Pairs of runs of the same mode and concurrency, with the prefix cache and without (the
+    variant labelled "<mode> no-prefix-cache"): TTFT p50 of each and the ratio."""
+    by_label = {v["label"]: v for v in report["variants"]}
+    pairs = []
+    for v in report["variants"]:
+        off = by_label.get(f"{v['label']} no-prefix-cache")
+        if off is None:
+            continue
+        off_runs = {r["concurrency"]: r for r in off["runs"]}
+        for r in v["runs"]:
+            other = off_runs.get(r["concurrency"])
+            if other and r["ttft_p50_ms"] and other["ttft_p50_ms"]:
+                pairs.append({"mode": v["label"], "concurrency": r["concurrency"], "ttft_p50_ms_cached":
+                              r["ttft_p50_ms"], "ttft_p50_ms_uncached": other["ttft_p50_ms"],
+                              "ratio": other["ttft_p50_ms"] / r["ttft_p50_ms"],
+                              "hit_rate": (r.get("prefix_cache") or {}).get("hit_rate")})
+    return pairs
+
+
+def prefix_cache_lines(report: dict) -> list[str]:
+    lines = []
+    for v in report["variants"]:
+        for r in v["runs"]:
+            use = r.get("prefix_cache")
+            if use and use["queried_tokens"]:
+                lines.append(f"  {v['label']} c={r['concurrency']}: hit rate {100 * use['hit_rate']:.1f}% "
+                             f"({use['hit_tokens']} of {use['queried_tokens']} prompt tokens cached)")
+    if lines:
+        shared = report["config"].get("shared_prefix_tokens")
+        lines.insert(0, "prefix cache" + (f" (every prompt starts with the same {shared} tokens):" if shared else ":"))
+    for p in ttft_with_and_without_cache(report):
+        lines.append(f"  TTFT p50 {p['mode']} c={p['concurrency']}: {p['ttft_p50_ms_cached']:.1f} ms with the prefix "
+                     f"cache, {p['ttft_p50_ms_uncached']:.1f} ms without ({p['ratio']:.1f}x lower)")
+    return lines
 
 
 def write_report(report: dict, path: str | Path) -> None:

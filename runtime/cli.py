@@ -90,6 +90,9 @@ def _add_engine_options(p: argparse.ArgumentParser, bench: bool = False) -> None
                         "results depend on the batch, so greedy outputs may part at near-ties)")
     g.add_argument("--page-size", type=_positive_int, metavar="N", help="tokens per KV page")
     g.add_argument("--num-pages", type=_positive_int, metavar="N", help="KV pages in the cache")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
+                   help="do not keep full KV pages for later requests that share a prefix (prefix caching "
+                        "is on by default: docs/prefix_caching.md)")
     g.add_argument("--max-num-seqs", type=_positive_int, metavar="N", help="sequences per batch")
     g.add_argument("--max-batched-tokens", type=_positive_int, metavar="N", help="tokens per step")
     g.add_argument("--num-spec-tokens", type=_positive_int, metavar="K",
@@ -189,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "the table, --json writes it, --plot draws ms vs rows")
     bench.add_argument("--context", type=_positive_int, default=256, metavar="N",
                        help="with --step-costs: cached tokens per sequence (default: 256)")
+    bench.add_argument("--shared-prefix", type=_positive_int, metavar="N",
+                       help="put the same N tokens of a long system prompt in front of every prompt, and run "
+                            "every mode with the prefix cache and without (\"MODE no-prefix-cache\"): the TTFT "
+                            "the cache saves (at --concurrency 1 every measured request hits it)")
     bench.add_argument("--plot", metavar="OUT.png",
                        help="write a PNG: tok/s vs concurrency per mode and acceptance per position (with "
                             "--step-costs: ms vs rows per sequence)")
@@ -265,7 +272,8 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
         config,
         **given(model=args.model, dtype=args.dtype, tensor_parallel=args.tp, device=args.device,
                 attention_backend=args.attention_backend, matmul=getattr(args, "matmul", None)),
-        cache=dataclasses.replace(config.cache, **given(page_size=args.page_size, num_pages=args.num_pages)),
+        cache=dataclasses.replace(config.cache, **given(page_size=args.page_size, num_pages=args.num_pages,
+                                                        prefix_caching=getattr(args, "prefix_caching", None))),
         scheduler=dataclasses.replace(config.scheduler, **given(
             max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens)),
         spec=dataclasses.replace(config.spec, **given(
@@ -464,7 +472,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # variant is the baseline for speedups and for the identical-outputs check.
     variants = _bench_variants(args)
     report = run_bench(variants, prompts, args.max_tokens, args.concurrency, compare_hf=args.compare_hf,
-                       make_engine=make_engine)
+                       make_engine=make_engine, shared_prefix=args.shared_prefix or 0)
     print(format_report(report))
     if args.json:
         write_report(report, args.json)
@@ -602,6 +610,10 @@ def _bench_variants(args: argparse.Namespace) -> list:
                 label = mode if len(controllers) == 1 or method == "none" else f"{mode} controller={ctl}"
                 variants.append(Variant(label, dataclasses.replace(
                     config, spec=dataclasses.replace(config.spec, controller=ctl))))
+                if args.shared_prefix and config.cache.prefix_caching:
+                    last = variants[-1]
+                    variants.append(Variant(f"{label} no-prefix-cache", dataclasses.replace(
+                        last.config, cache=dataclasses.replace(config.cache, prefix_caching=False))))
             config = variants[-1].config
             if args.no_overlap:
                 variants.append(Variant(f"{mode} no-overlap", dataclasses.replace(config, overlap=False)))

@@ -22,6 +22,7 @@ from overlap.models.loading import load_tokenizer, resolve_model_dir
 from runtime.frontend import RequestLimits, RequestState, encode_prompt, eos_token_ids, validate_request
 from runtime.messages import RequestError, SamplingParams
 from runtime.pages import PageAllocator
+from runtime.prefix_cache import build_prefix_cache
 from runtime.results import Result
 from runtime.scheduler import Scheduler, SeqUpdate
 from runtime.step_costs import build_controller
@@ -88,7 +89,8 @@ class Engine:
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
         self.controller = self._controller or build_controller(config, model, self._cost_model)
         self.scheduler = Scheduler(sched_cfg, self.allocator, self._eos_ids(), self.controller,
-                                   tree_depth=config.spec.tree_depth if config.spec.method == "eagle" else 0)
+                                   tree_depth=config.spec.tree_depth if config.spec.method == "eagle" else 0,
+                                   prefix_cache=build_prefix_cache(config, self.allocator))
         self.requests: dict[str, _Request] = {}
         self._seeds = random.Random()
 

@@ -59,6 +59,14 @@ class DaemonStats(Collector):
             yield GaugeMetricFamily("overlap_kv_pages_total", "KV-cache pages", value=float(s["total_pages"]))
         yield from counter("overlap_preemptions", "Sequences preempted (recomputed later) for lack of pages",
                            "preemptions")
+        yield from counter("overlap_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache "
+                           "at admission", "prefix_cache_queried_tokens")
+        yield from counter("overlap_prefix_cache_hit_tokens", "Prompt tokens whose KV was found in the prefix cache "
+                           "(hit rate = hit / queried)", "prefix_cache_hit_tokens")
+        yield from gauge("overlap_prefix_cache_pages", "KV pages in the prefix cache (held or evictable)",
+                         "prefix_cache_pages")
+        yield from counter("overlap_prefix_cache_evictions", "Cached KV pages evicted to make room",
+                           "prefix_cache_evictions")
         yield from counter("overlap_steps", "Steps the executor ran", "steps")
         yield from gauge("overlap_spec_mean_k", "Drafts (EAGLE: tree nodes) the speculation controller chose per "
                          "speculating decode, averaged over the server's life", "spec_mean_k")

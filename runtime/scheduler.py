@@ -24,6 +24,7 @@ from overlap.config import SchedulerConfig
 from overlap.speculative.controller import Candidate, SpeculationController, chain_options, tree_options
 from runtime.messages import SamplingParams
 from runtime.pages import PageAllocator
+from runtime.prefix_cache import CacheChain, PrefixCache
 
 
 @dataclass(eq=False)  # identity, not field equality: queues hold distinct sequences
@@ -38,6 +39,8 @@ class Sequence:
     stop_ids: frozenset[int]
     num_computed: int = 0  # tokens whose KV is in the cache
     pages: list[int] = field(default_factory=list)
+    num_reused: int = 0  # of those, found in the prefix cache at (re)admission
+    cached: CacheChain = field(default_factory=CacheChain)  # its pages that are in the prefix cache
     num_preemptions: int = 0
     finish_reason: str | None = None
 
@@ -65,16 +68,18 @@ class SeqUpdate:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator,
                  eos_token_ids: tuple[int, ...] = (), controller: SpeculationController | None = None,
-                 tree_depth: int = 0, clock=time.perf_counter):
+                 tree_depth: int = 0, clock=time.perf_counter, prefix_cache: PrefixCache | None = None):
         """controller: chooses each speculating decode's drafts per step (None: every one
         verifies its cap). tree_depth: EAGLE, a sequence's num_spec_tokens is a tree of that
-        depth (all or nothing), not a chain."""
+        depth (all or nothing), not a chain. prefix_cache: full pages shared across requests
+        (runtime/prefix_cache.py; None: off)."""
         self.config = config
         self.controller = controller
         self.tree_depth = tree_depth
         self.clock = clock
         self._scheduled_at: dict[int, float] = {}  # step id → when it was planned (step times)
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
@@ -131,6 +136,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(seq)
+            if self.prefix_cache is not None:
+                self.prefix_cache.record_lookup(len(seq.tokens), seq.num_reused)
             works.append(work)
             budget -= len(work.token_ids)
         if not works:
@@ -162,16 +169,22 @@ class Scheduler:
         return chain_options(work.num_spec_tokens)
 
     def _try_schedule(self, seq: Sequence, budget: int, preempt: bool) -> SeqWork | None:
+        if self.prefix_cache is not None and not seq.pages:
+            self._reuse_cached_prefix(seq)  # a new sequence, or one back after preemption
         remaining = len(seq.tokens) - seq.num_computed
         n = min(remaining, budget)
         is_last_chunk = n == remaining
-        spec = self._num_drafts(seq) if (remaining == 1 and seq.num_computed > 0) else 0
+        # Speculate only once the drafter has followed the sequence: a cache hit can leave a
+        # single token for the first step, and the drafter has carried nothing for it yet.
+        spec = self._num_drafts(seq) if (remaining == 1 and seq.num_computed > seq.num_reused) else 0
         # Room for: this step's tokens, the drafts being verified, and the drafter's
         # catch-up run over the token this step produces.
         need = seq.num_computed + n + spec + (1 if seq.num_spec_tokens else 0)
         while not self.allocator.can_grow(seq.pages, need):
             victim = self.running[-1] if self.running else None
             if not preempt or victim is None:
+                if seq not in self.running:
+                    self._forget_reused(seq)  # not admitted: let go of the cached pages it took
                 return None
             self._preempt(victim)
             if victim is seq:
@@ -189,6 +202,19 @@ class Scheduler:
             draft=seq.num_spec_tokens > 0,
         )
 
+    def _reuse_cached_prefix(self, seq: Sequence) -> None:
+        """Start the sequence on the cached pages that hold a prefix of its tokens: a cache hit
+        is just a sequence whose first num_computed tokens already have KV."""
+        pages, chain = self.prefix_cache.match(seq.tokens)
+        self.prefix_cache.acquire(pages)
+        seq.pages, seq.cached = pages, chain
+        seq.num_computed = seq.num_reused = len(pages) * self.allocator.page_size
+
+    def _forget_reused(self, seq: Sequence) -> None:
+        self.allocator.free(seq.pages)
+        seq.num_computed = seq.num_reused = 0
+        seq.cached = CacheChain()
+
     def _num_drafts(self, seq: Sequence) -> int:
         """Drafts for a decode step: never past max_tokens or the context (a step emits k+1)."""
         room = min(seq.params.max_tokens - seq.num_output, self.config.max_model_len - len(seq.tokens))
@@ -197,8 +223,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop the KV, keep the tokens, go to the front of the queue."""
         self.running.remove(seq)
-        self.allocator.free(seq.pages)
-        seq.num_computed = 0
+        self._forget_reused(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._freed.append(seq.seq_id)
@@ -216,6 +241,9 @@ class Scheduler:
             if seq.num_computed != work.start_pos or seq not in self.running:
                 continue  # preempted while the step ran: its tokens will be recomputed
             seq.num_computed = work.end_pos
+            if self.prefix_cache is not None:
+                # Before the produced tokens can finish the sequence (and free its pages).
+                self.prefix_cache.publish(seq.tokens, seq.pages, seq.num_computed, seq.cached)
             out = produced.get(seq.seq_id)
             new = self._append(seq, out.token_ids) if out else []
             if seq.num_spec_tokens and seq.finish_reason is None:
@@ -282,4 +310,5 @@ class Scheduler:
             "total_pages": self.allocator.num_pages,
             "preemptions": self.num_preemptions,
             **(self.controller.stats() if self.controller is not None else {}),
+            **(self.prefix_cache.stats() if self.prefix_cache is not None else {}),
         }

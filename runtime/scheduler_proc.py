@@ -25,6 +25,7 @@ from runtime.messages import (AbortRequest, AddRequest, Execute, FatalError, Req
                               SchedulerStats, StatsQuery, StepResult, TokenBatch, TokenUpdate,
                               unpack_ids)
 from runtime.pages import PageAllocator
+from runtime.prefix_cache import build_prefix_cache
 from runtime.procs import ServeSpec, become_child, report_fatal, report_ready
 from overlap.config import ModelConfig
 from overlap.models.loading import read_model_config
@@ -83,7 +84,8 @@ class SchedulerService:
         model_cfg = ModelConfig.from_hf(read_model_config(spec.model_dir)) if config.spec.method != "none" else None
         controller = build_controller(config, model_cfg=model_cfg)
         self.scheduler = Scheduler(sched_cfg, self.allocator, spec.eos_token_ids, controller,
-                                   tree_depth=config.spec.tree_depth if config.spec.method == "eagle" else 0)
+                                   tree_depth=config.spec.tree_depth if config.spec.method == "eagle" else 0,
+                                   prefix_cache=build_prefix_cache(config, self.allocator))
         self.max_waiting = spec.max_waiting
         self.send_to_executor = send_to_executor
         self.send_to_tokenizer = send_to_tokenizer

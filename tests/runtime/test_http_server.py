@@ -341,6 +341,9 @@ def test_metrics_parse_and_counters_move(client, oai, http):
     assert moved("overlap_steps_total") > 0 and moved("overlap_device_busy_seconds_total") > 0
     assert 'overlap_server_requests_total{event="finished"}' in after
     assert "overlap_device_idle_seconds_total" in after and "overlap_preemptions_total" in after
+    # Prefix caching is on by default: every prompt token is looked up once at admission.
+    assert moved("overlap_prefix_cache_queried_tokens_total") == moved("overlap_prompt_tokens_total")
+    assert "overlap_prefix_cache_hit_tokens_total" in after and "overlap_prefix_cache_pages" in after
 
 
 # -- the command line --------------------------------------------------------------------------
