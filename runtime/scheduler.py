@@ -246,6 +246,11 @@ class Scheduler:
                 self.prefix_cache.publish(seq.tokens, seq.pages, seq.num_computed, seq.cached)
             out = produced.get(seq.seq_id)
             new = self._append(seq, out.token_ids) if out else []
+            if out is not None and out.num_drafts and seq.finish_reason is None:
+                # The verify pass wrote the KV of every draft it accepted (a tree's accepted path
+                # is moved into place): those tokens are computed, so the next step starts at the
+                # bonus token and speculates, instead of re-running the accepted drafts as a chunk.
+                seq.num_computed += out.num_accepted
             if seq.num_spec_tokens and seq.finish_reason is None:
                 # Give back the pages reserved for rejected drafts; keep what holds every
                 # known token (the drafter's KV includes the last one).
