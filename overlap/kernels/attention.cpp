@@ -207,6 +207,15 @@ inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// Ask for a key or value row [dim] ahead of its use (HINT: _MM_HINT_T0 into L1, T1 into L2).
+// The pool is paged: the hardware prefetcher sees a new stream at every page, so a decode
+// step over many sequences otherwise waits on memory at each one.
+template <int HINT, typename T>
+inline void prefetch_row(const T* p, int64_t dim) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < dim * int64_t(sizeof(T)); b += 64) _mm_prefetch(c + b, _mm_hint(HINT));
+}
+
 // P[k] holds key k's 16 lane partial sums; returns the 16 keys' dot products in key order,
 // each summed exactly as dot() does: lane l += lane l+8 (l < 8), then l+4, l+2, l+1. Each
 // level adds two half-vectors of two keys at once, so 16 keys cost 15 adds and 30 shuffles
@@ -331,8 +340,11 @@ void attend_avx512(const Inputs<T>& in, const Block& blk, Scratch& s) {
   //    whose scores softmax_row discards).
   for (int64_t j0 = 0; j0 < span; j0 += 16) {
     const int64_t keys = std::min<int64_t>(16, span - j0);
-    for (int64_t k = 0; k < keys; ++k)
+    for (int64_t k = 0; k < keys; ++k) {
+      if (j0 + 16 + k < span) prefetch_row<_MM_HINT_T0>(key(in, blk, j0 + 16 + k), dim);  // the next block's keys
+      prefetch_row<_MM_HINT_T1>(value(in, blk, j0 + k), dim);  // this block's values, for step 3
       for (int c = 0; c < C; ++c) _mm512_storeu_ps(s.kf.data() + k * dim + 16 * c, load16(key(in, blk, j0 + k) + 16 * c));
+    }
     std::fill(s.kf.begin() + keys * dim, s.kf.end(), 0.f);
     for (int64_t n = 0; n < nq; ++n) score16<C>(s.qf.data() + n * dim, s.kf.data(), in.scale, s.scores.data() + n * stride + j0);
   }
