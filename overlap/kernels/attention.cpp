@@ -258,28 +258,34 @@ inline void exp_shifted(float* sc, int64_t n, float m) {
   for (int64_t j = 0; j < n; j += 16) _mm512_storeu_ps(sc + j, overlap::fixed_exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), mv)));
 }
 
+// The max of sc [0, n): in 16 lanes, then across them. The same value as a scalar running
+// max (max is exact; only the sign of a zero max could differ, and s - (+0) == s - (-0) but
+// for s = 0, whose exp is 1 either way). max_ps(x, acc) keeps acc when x is NaN, as std::max
+// does.
+inline float max_of(const float* sc, int64_t n) {
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 mv = lowest;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) mv = _mm512_max_ps(_mm512_loadu_ps(sc + j), mv);
+  if (j < n) mv = _mm512_max_ps(_mm512_mask_loadu_ps(lowest, __mmask16((1u << (n - j)) - 1), sc + j), mv);
+  return _mm512_reduce_max_ps(mv);
+}
+
 // Softmax weights of a query of block row ii over its scores sc [stride] in place: the max
 // over its visible keys, exp(s - max) for those, exactly 0 for every other key up to stride.
 inline void softmax_row(const Block& blk, int64_t ii, float* sc, int64_t stride) {
   if (!blk.tree) {  // causal: keys 0 .. end-1, no per-key test
     const int64_t end = blk.end[ii];
-    // The max in 16 lanes, then across them: the same value as a scalar running max (max is
-    // exact; only the sign of a zero max could differ, and s - (+0) == s - (-0) but for s = 0,
-    // whose exp is 1 either way). max_ps(x, acc) keeps acc when x is NaN, as std::max does.
-    const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    __m512 mv = lowest;
-    int64_t j = 0;
-    for (; j + 16 <= end; j += 16) mv = _mm512_max_ps(_mm512_loadu_ps(sc + j), mv);
-    if (j < end) mv = _mm512_max_ps(_mm512_mask_loadu_ps(lowest, __mmask16((1u << (end - j)) - 1), sc + j), mv);
-    exp_shifted(sc, end, _mm512_reduce_max_ps(mv));
+    exp_shifted(sc, end, max_of(sc, end));
     std::fill(sc + end, sc + stride, 0.f);
     return;
   }
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < blk.span; ++j)
+  // Tree: the whole cached prefix, then the new tokens the row's mask allows.
+  float m = max_of(sc, blk.prefix);
+  for (int64_t j = blk.prefix; j < blk.span; ++j)
     if (blk.visible(ii, j)) m = std::max(m, sc[j]);
   exp_shifted(sc, blk.span, m);
-  for (int64_t j = 0; j < blk.span; ++j)
+  for (int64_t j = blk.prefix; j < blk.span; ++j)
     if (!blk.visible(ii, j)) sc[j] = 0.f;
   std::fill(sc + blk.span, sc + stride, 0.f);
 }
