@@ -1,25 +1,116 @@
 // Paged attention for the CPU, batch-invariant by construction.
 //
-// Every query row (sequence b, new token i, head h) is computed by the same loop whatever
-// else is in the step: scores over its visible keys in ascending key order (a fixed-width
-// partial-sum dot product, then a fixed-order lane sum), a two-pass softmax in f32, and the
-// weighted sum of values in ascending key order. So a token's attention output is the same
-// bits in a prefill, a verify pass over k+1 rows, a tree verify, a decode step or any batch.
+// Every query row (sequence b, new token i, head h) is computed by the same arithmetic
+// whatever else is in the step: scores over its visible keys (a fixed-width partial-sum dot
+// product, then a fixed-order lane sum), a two-pass softmax in f32, and the weighted sum of
+// values in ascending key order. So a token's attention output is the same bits in a
+// prefill, a verify pass over k+1 rows, a tree verify, a decode step or any batch.
 // No context gather, no mask tensor, no f64: keys and values are read in place from the
 // paged pool through the page table.
+//
+// Two implementations of that one arithmetic, giving the same bits:
+// - attend_reference: plain loops, any ISA, any head_dim (the AVX2 and generic variants).
+// - attend_avx512 (variants 1-3, head_dim a multiple of 16): the same operations in the same
+//   order per score and per output element, arranged for the vector unit: 16 keys' scores
+//   are lane-summed together (reduce16: a transpose-and-add tree doing each key's pairwise
+//   lane sum, instead of 16 separate horizontal sums), the softmax runs on whole rows, and
+//   values are accumulated for a tile of query rows from registers. Scores of keys a row
+//   may not see are computed with the others and then given weight exactly 0: adding +0 to a
+//   sum that is never -0 leaves it unchanged, so no per-key visibility test in the hot loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "pool.h"
 #include "fixed_exp.h"
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
+#if OVERLAP_VARIANT >= 1
+#include <immintrin.h>
+#endif
 
 namespace {
 
-constexpr int LANES = 16;   // partial sums per dot product (vectorised by the compiler)
+constexpr int LANES = 16;   // partial sums per dot product
 constexpr int MAX_DIM = 256;
+
+template <typename T>
+struct Inputs {
+  const T *q, *kc, *vc;  // q [T, H, D]; caches [slots, Hkv, D]
+  T* out;                // [T, H, D]
+  const int32_t *q_start, *q_len, *kv_len, *table;
+  int64_t max_pages, page_size;
+  const bool* tree;  // [T, tree_cols] or null (causal)
+  int64_t tree_cols, heads, kv_heads, dim;
+  float scale;
+  int64_t group() const { return heads / kv_heads; }
+};
+
+// One task: a block of query rows i0 .. i0+rows-1 of sequence b, against kv head kvh.
+struct Block {
+  int64_t b = 0, kvh = 0, i0 = 0, rows = 0, prefix = 0, span = 0;
+  int64_t row0 = 0;               // the block's first row in the flat q
+  const bool* tree = nullptr;     // the sequence's mask rows, null when causal
+  int64_t tree_cols = 0;
+  std::vector<int64_t> end;       // per row: it sees no key at or after end[ii]
+  std::vector<int64_t> slot;      // per key j < span: its slot in the pool
+  // Row ii sees keys 0..prefix+i causally, or the prefix plus the tree nodes its mask row
+  // allows: its own visibility, whatever else is in the block.
+  bool visible(int64_t ii, int64_t j) const {
+    if (j >= end[ii]) return false;
+    return !tree || j < prefix || tree[(row0 + ii) * tree_cols + (j - prefix)];
+  }
+};
+
+template <typename T>
+void plan_block(const Inputs<T>& in, int64_t b, int64_t kvh, int64_t i0, int64_t rows_per_task, Block& blk) {
+  blk.b = b;
+  blk.kvh = kvh;
+  blk.i0 = i0;
+  blk.rows = std::min<int64_t>(rows_per_task, in.q_len[b] - i0);
+  blk.prefix = in.kv_len[b] - in.q_len[b];
+  blk.row0 = in.q_start[b] + i0;
+  blk.tree = in.tree;
+  blk.tree_cols = in.tree_cols;
+  blk.end.resize(blk.rows);
+  for (int64_t ii = 0; ii < blk.rows; ++ii) blk.end[ii] = in.tree ? in.kv_len[b] : blk.prefix + i0 + ii + 1;
+  blk.span = std::max(blk.end[0], blk.end[blk.rows - 1]);
+  // Slots by walking the page table (no division per key).
+  const int32_t* pages = in.table + b * in.max_pages;
+  blk.slot.resize(blk.span);
+  for (int64_t j = 0, p = 0, off = 0; j < blk.span; ++j) {
+    blk.slot[j] = int64_t(pages[p]) * in.page_size + off;
+    if (++off == in.page_size) off = 0, ++p;
+  }
+}
+
+template <typename T>
+inline const T* key(const Inputs<T>& in, const Block& blk, int64_t j) {
+  return in.kc + (blk.slot[j] * in.kv_heads + blk.kvh) * in.dim;
+}
+template <typename T>
+inline const T* value(const Inputs<T>& in, const Block& blk, int64_t j) {
+  return in.vc + (blk.slot[j] * in.kv_heads + blk.kvh) * in.dim;
+}
+// Query n = ii * group + g of the block (row ii, head g of the kv head's group).
+template <typename T>
+inline const T* query(const Inputs<T>& in, const Block& blk, int64_t n) {
+  const int64_t ii = n / in.group(), g = n % in.group();
+  return in.q + ((blk.row0 + ii) * in.heads + blk.kvh * in.group() + g) * in.dim;
+}
+template <typename T>
+inline T* output(const Inputs<T>& in, const Block& blk, int64_t n) {
+  const int64_t ii = n / in.group(), g = n % in.group();
+  return in.out + ((blk.row0 + ii) * in.heads + blk.kvh * in.group() + g) * in.dim;
+}
+
+// Per-thread buffers, reused across tasks.
+struct Scratch {
+  std::vector<float> qf, kf, vf, scores, acc, max_s, total;
+};
 
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n) {
@@ -38,97 +129,279 @@ inline float dot(const float* q, const float* k, int64_t dim) {
   return part[0];
 }
 
+// The definition of the arithmetic, in plain loops (the AVX2 and generic variants, and any
+// head_dim): scores key by key, softmax over the visible keys, values in key order.
 template <typename T>
-void run(const T* q, const T* kc, const T* vc, T* out, const int32_t* q_start,
-         const int32_t* q_len, const int32_t* kv_len, const int32_t* table, int64_t max_pages,
-         int64_t page_size, const bool* tree, int64_t tree_cols, int64_t num_seqs,
-         int64_t heads, int64_t kv_heads, int64_t dim, float scale, int64_t rows_per_task) {
-  const int64_t group = heads / kv_heads;
+void attend_reference(const Inputs<T>& in, const Block& blk, Scratch& s) {
+  const int64_t group = in.group(), dim = in.dim, nq = blk.rows * group, span = blk.span;
+  s.qf.resize(nq * dim);
+  s.kf.resize(dim);
+  s.vf.resize(dim);
+  for (int64_t n = 0; n < nq; ++n) to_float(query(in, blk, n), s.qf.data() + n * dim, dim);
+  // 1. scores of every visible key, each key loaded once for the block.
+  s.scores.assign(nq * span, 0.f);
+  for (int64_t j = 0; j < span; ++j) {
+    to_float(key(in, blk, j), s.kf.data(), dim);
+    for (int64_t ii = 0; ii < blk.rows; ++ii) {
+      if (!blk.visible(ii, j)) continue;
+      for (int64_t g = 0; g < group; ++g)
+        s.scores[(ii * group + g) * span + j] = dot(s.qf.data() + (ii * group + g) * dim, s.kf.data(), dim) * in.scale;
+    }
+  }
+  // 2. per row and head: the max over its visible keys, then exp and their sum in key order.
+  s.max_s.assign(nq, -std::numeric_limits<float>::infinity());
+  s.total.assign(nq, 0.f);
+  for (int64_t ii = 0; ii < blk.rows; ++ii)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t n = ii * group + g;
+      float* sc = s.scores.data() + n * span;
+      float& m = s.max_s[n];
+      if (!blk.tree) {  // causal: the row sees keys 0 .. end - 1, a plain loop
+        const int64_t end = blk.end[ii];
+        for (int64_t j = 0; j < end; ++j) m = std::max(m, sc[j]);
+        for (int64_t j = 0; j < end; ++j) sc[j] = overlap::fixed_exp(sc[j] - m);
+        for (int64_t j = 0; j < end; ++j) s.total[n] += sc[j];
+        continue;
+      }
+      for (int64_t j = 0; j < span; ++j)
+        if (blk.visible(ii, j)) m = std::max(m, sc[j]);
+      for (int64_t j = 0; j < span; ++j)
+        if (blk.visible(ii, j)) {
+          sc[j] = overlap::fixed_exp(sc[j] - m);
+          s.total[n] += sc[j];
+        }
+    }
+  // 3. weighted values in key order, each value loaded once for the block.
+  s.acc.assign(nq * dim, 0.f);
+  for (int64_t j = 0; j < span; ++j) {
+    to_float(value(in, blk, j), s.vf.data(), dim);
+    for (int64_t ii = 0; ii < blk.rows; ++ii) {
+      if (!blk.visible(ii, j)) continue;
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = s.scores[(ii * group + g) * span + j];
+        float* a = s.acc.data() + (ii * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) a[d] += p * s.vf[d];
+      }
+    }
+  }
+  for (int64_t n = 0; n < nq; ++n) {
+    T* o = output(in, blk, n);
+    const float inv = 1.f / s.total[n];
+    const float* a = s.acc.data() + n * dim;
+    for (int64_t d = 0; d < dim; ++d) o[d] = T(a[d] * inv);
+  }
+}
+
+#if OVERLAP_VARIANT >= 1
+
+template <typename T>
+constexpr bool has_load16 = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
+
+// 16 consecutive elements widened to f32 (exact for all three types).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the high half of an f32
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Ask for a key or value row [dim] ahead of its use (HINT: _MM_HINT_T0 into L1, T1 into L2).
+// The pool is paged: the hardware prefetcher sees a new stream at every page, so a decode
+// step over many sequences otherwise waits on memory at each one.
+template <int HINT, typename T>
+inline void prefetch_row(const T* p, int64_t dim) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < dim * int64_t(sizeof(T)); b += 64) _mm_prefetch(c + b, _mm_hint(HINT));
+}
+
+// P[k] holds key k's 16 lane partial sums; returns the 16 keys' dot products in key order,
+// each summed exactly as dot() does: lane l += lane l+8 (l < 8), then l+4, l+2, l+1. Each
+// level adds two half-vectors of two keys at once, so 16 keys cost 15 adds and 30 shuffles
+// instead of 16 separate horizontal sums.
+inline __m512 reduce16(const __m512* P) {
+  __m512 X[8], Y[4], Z[2];
+  for (int m = 0; m < 8; ++m)  // X[m]: keys 2m, 2m+1, 8 partials each (l + l+8)
+    X[m] = _mm512_add_ps(_mm512_shuffle_f32x4(P[2 * m], P[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(P[2 * m], P[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int m = 0; m < 4; ++m)  // Y[m]: 128-bit lane k holds key 4m+k's 4 partials (l + l+4)
+    Y[m] = _mm512_add_ps(_mm512_shuffle_f32x4(X[2 * m], X[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(X[2 * m], X[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int m = 0; m < 2; ++m)  // Z[m]: lane k holds keys 8m+k, 8m+4+k, 2 partials each (l + l+2)
+    Z[m] = _mm512_add_ps(_mm512_shuffle_ps(Y[2 * m], Y[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(Y[2 * m], Y[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // Element e of 128-bit lane k: key 4e + k (l + l+1).
+  const __m512 W = _mm512_add_ps(_mm512_shuffle_ps(Z[0], Z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(Z[0], Z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, W);
+}
+
+// Scores of one query against 16 keys kf [16][C*16] f32: dot() per key, times scale.
+template <int C>
+inline void score16(const float* q, const float* kf, float scale, float* out) {
+  __m512 qv[C], P[16];
+  for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  for (int k = 0; k < 16; ++k) {
+    __m512 part = _mm512_setzero_ps();  // dot()'s zero start (keeps the sign of a zero sum)
+    for (int c = 0; c < C; ++c) part = _mm512_add_ps(part, _mm512_mul_ps(qv[c], _mm512_loadu_ps(kf + (k * C + c) * 16)));
+    P[k] = part;
+  }
+  _mm512_storeu_ps(out, _mm512_mul_ps(reduce16(P), _mm512_set1_ps(scale)));
+}
+
+// exp(s - m) over sc [0, n rounded up to 16) in place: the last vector's extra lanes get
+// values too, which the caller overwrites.
+inline void exp_shifted(float* sc, int64_t n, float m) {
+  const __m512 mv = _mm512_set1_ps(m);
+  for (int64_t j = 0; j < n; j += 16) _mm512_storeu_ps(sc + j, overlap::fixed_exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), mv)));
+}
+
+// The max of sc [0, n): in 16 lanes, then across them. The same value as a scalar running
+// max (max is exact; only the sign of a zero max could differ, and s - (+0) == s - (-0) but
+// for s = 0, whose exp is 1 either way). max_ps(x, acc) keeps acc when x is NaN, as std::max
+// does.
+inline float max_of(const float* sc, int64_t n) {
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 mv = lowest;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) mv = _mm512_max_ps(_mm512_loadu_ps(sc + j), mv);
+  if (j < n) mv = _mm512_max_ps(_mm512_mask_loadu_ps(lowest, __mmask16((1u << (n - j)) - 1), sc + j), mv);
+  return _mm512_reduce_max_ps(mv);
+}
+
+// Softmax weights of a query of block row ii over its scores sc [stride] in place: the max
+// over its visible keys, exp(s - max) for those, exactly 0 for every other key up to stride.
+inline void softmax_row(const Block& blk, int64_t ii, float* sc, int64_t stride) {
+  if (!blk.tree) {  // causal: keys 0 .. end-1, no per-key test
+    const int64_t end = blk.end[ii];
+    exp_shifted(sc, end, max_of(sc, end));
+    std::fill(sc + end, sc + stride, 0.f);
+    return;
+  }
+  // Tree: the whole cached prefix, then the new tokens the row's mask allows.
+  float m = max_of(sc, blk.prefix);
+  for (int64_t j = blk.prefix; j < blk.span; ++j)
+    if (blk.visible(ii, j)) m = std::max(m, sc[j]);
+  exp_shifted(sc, blk.span, m);
+  for (int64_t j = blk.prefix; j < blk.span; ++j)
+    if (!blk.visible(ii, j)) sc[j] = 0.f;
+  std::fill(sc + blk.span, sc + stride, 0.f);
+}
+
+// Queries q0 .. q0+NT-1: their weighted sums of values in ascending key order, with the
+// weights' sum in the same order, accumulated in registers; then out = acc / sum.
+template <typename T, int C, int NT>
+void weigh_values(const Inputs<T>& in, const Block& blk, const float* scores, int64_t stride, int64_t q0) {
+  __m512 acc[NT][C];
+  float total[NT];
+  for (int t = 0; t < NT; ++t) {
+    total[t] = 0.f;
+    for (int c = 0; c < C; ++c) acc[t][c] = _mm512_setzero_ps();
+  }
+  const float* p = scores + q0 * stride;
+  for (int64_t j = 0; j < blk.span; ++j) {
+    const T* v = value(in, blk, j);
+    __m512 vj[C];
+    for (int c = 0; c < C; ++c) vj[c] = load16(v + 16 * c);
+    for (int t = 0; t < NT; ++t) {
+      const float pj = p[t * stride + j];
+      total[t] += pj;
+      const __m512 pb = _mm512_set1_ps(pj);
+      for (int c = 0; c < C; ++c) acc[t][c] = _mm512_add_ps(acc[t][c], _mm512_mul_ps(pb, vj[c]));
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    alignas(64) float a[C * 16];
+    const __m512 inv = _mm512_set1_ps(1.f / total[t]);
+    for (int c = 0; c < C; ++c) _mm512_store_ps(a + 16 * c, _mm512_mul_ps(acc[t][c], inv));
+    T* o = output(in, blk, q0 + t);
+    for (int d = 0; d < C * 16; ++d) o[d] = T(a[d]);
+  }
+}
+
+// Query tile for the value pass: as many rows as keep NT * C accumulators in registers.
+template <int C>
+constexpr int tile_rows() { return C <= 4 ? 6 : (C == 8 ? 3 : 1); }
+
+template <typename T, int C, int NT = tile_rows<C>()>
+void weigh_values_tail(const Inputs<T>& in, const Block& blk, const float* scores, int64_t stride, int64_t q0, int64_t n) {
+  if constexpr (NT > 1) {
+    if (n < NT) return weigh_values_tail<T, C, NT - 1>(in, blk, scores, stride, q0, n);
+  }
+  weigh_values<T, C, NT>(in, blk, scores, stride, q0);
+}
+
+template <typename T, int C>
+void attend_avx512(const Inputs<T>& in, const Block& blk, Scratch& s) {
+  constexpr int64_t dim = C * 16;
+  const int64_t nq = blk.rows * in.group(), span = blk.span, stride = (span + 15) / 16 * 16;
+  s.qf.resize(nq * dim);
+  s.kf.resize(16 * dim);
+  s.scores.resize(nq * stride);
+  for (int64_t n = 0; n < nq; ++n)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(s.qf.data() + n * dim + 16 * c, load16(query(in, blk, n) + 16 * c));
+  // 1. scores, 16 keys at a time: each key widened once for the block (past span: zeros,
+  //    whose scores softmax_row discards).
+  for (int64_t j0 = 0; j0 < span; j0 += 16) {
+    const int64_t keys = std::min<int64_t>(16, span - j0);
+    for (int64_t k = 0; k < keys; ++k) {
+      if (j0 + 16 + k < span) prefetch_row<_MM_HINT_T0>(key(in, blk, j0 + 16 + k), dim);  // the next block's keys
+      prefetch_row<_MM_HINT_T1>(value(in, blk, j0 + k), dim);  // this block's values, for step 3
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(s.kf.data() + k * dim + 16 * c, load16(key(in, blk, j0 + k) + 16 * c));
+    }
+    std::fill(s.kf.begin() + keys * dim, s.kf.end(), 0.f);
+    for (int64_t n = 0; n < nq; ++n) score16<C>(s.qf.data() + n * dim, s.kf.data(), in.scale, s.scores.data() + n * stride + j0);
+  }
+  // 2. softmax weights per query.
+  for (int64_t n = 0; n < nq; ++n) softmax_row(blk, n / in.group(), s.scores.data() + n * stride, stride);
+  // 3. values, a register tile of queries at a time.
+  constexpr int NT = tile_rows<C>();
+  for (int64_t q0 = 0; q0 < nq; q0 += NT)
+    weigh_values_tail<T, C>(in, blk, s.scores.data(), stride, q0, std::min<int64_t>(NT, nq - q0));
+}
+
+#endif  // OVERLAP_VARIANT >= 1
+
+// The task function for this call: the vector path when this variant, dtype and head_dim
+// have one, else the reference loops (the same bits either way).
+template <typename T>
+auto choose_attend(int64_t dim) -> void (*)(const Inputs<T>&, const Block&, Scratch&) {
+#if OVERLAP_VARIANT >= 1
+  if constexpr (has_load16<T>) {
+    switch (dim) {
+      case 16: return attend_avx512<T, 1>;
+      case 32: return attend_avx512<T, 2>;
+      case 64: return attend_avx512<T, 4>;
+      case 128: return attend_avx512<T, 8>;
+      case 256: return attend_avx512<T, 16>;
+      default: break;
+    }
+  }
+#endif
+  (void)dim;
+  return attend_reference<T>;
+}
+
+template <typename T>
+void run(const Inputs<T>& in, int64_t num_seqs, int64_t rows_per_task) {
   // Tasks: (sequence, kv head, block of query rows). The rows of a block share each key and
-  // value load; the split never changes a row's own arithmetic (see below).
+  // value load; the split never changes a row's own arithmetic.
   std::vector<int64_t> task_seq, task_row;
   for (int64_t b = 0; b < num_seqs; ++b)
-    for (int64_t r = 0; r < q_len[b]; r += rows_per_task) {
+    for (int64_t r = 0; r < in.q_len[b]; r += rows_per_task) {
       task_seq.push_back(b);
       task_row.push_back(r);
     }
-  const int64_t tasks = int64_t(task_seq.size()) * kv_heads;
+  const int64_t tasks = int64_t(task_seq.size()) * in.kv_heads;
+  const auto attend = choose_attend<T>(in.dim);
   overlap::parallel_for(tasks, 2, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores, qf, acc, max_s, total, kf(dim), vf(dim);
-    std::vector<int64_t> visible_end;
+    Scratch scratch;
+    Block blk;
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = task_seq[t / kv_heads], kvh = t % kv_heads;
-      const int64_t i0 = task_row[t / kv_heads], i1 = std::min<int64_t>(i0 + rows_per_task, q_len[b]);
-      const int64_t rows = i1 - i0, nq = rows * group;
-      const int64_t prefix = kv_len[b] - q_len[b];
-      const int32_t* pages = table + b * max_pages;
-      // Row i (of its sequence) sees keys 0..prefix+i causally, or the prefix plus the tree
-      // nodes its mask row allows: its own visibility, whatever else is in the block.
-      visible_end.resize(rows);
-      for (int64_t ii = 0; ii < rows; ++ii) visible_end[ii] = tree ? kv_len[b] : prefix + i0 + ii + 1;
-      const int64_t span = visible_end[rows - 1] > visible_end[0] ? visible_end[rows - 1] : visible_end[0];
-      auto visible = [&](int64_t ii, int64_t j) {
-        if (j >= visible_end[ii]) return false;
-        return !tree || j < prefix || tree[(q_start[b] + i0 + ii) * tree_cols + (j - prefix)];
-      };
-      qf.resize(nq * dim);
-      for (int64_t ii = 0; ii < rows; ++ii)
-        for (int64_t g = 0; g < group; ++g)
-          to_float(q + ((q_start[b] + i0 + ii) * heads + kvh * group + g) * dim, qf.data() + (ii * group + g) * dim, dim);
-      // 1. scores of every visible key, each key loaded once for the block.
-      scores.assign(nq * span, 0.f);
-      for (int64_t j = 0; j < span; ++j) {
-        const int64_t slot = int64_t(pages[j / page_size]) * page_size + j % page_size;
-        to_float(kc + (slot * kv_heads + kvh) * dim, kf.data(), dim);
-        for (int64_t ii = 0; ii < rows; ++ii) {
-          if (!visible(ii, j)) continue;
-          for (int64_t g = 0; g < group; ++g)
-            scores[(ii * group + g) * span + j] = dot(qf.data() + (ii * group + g) * dim, kf.data(), dim) * scale;
-        }
-      }
-      // 2. per row and head: the max over its visible keys, then exp and their sum in key order.
-      max_s.assign(nq, -std::numeric_limits<float>::infinity());
-      total.assign(nq, 0.f);
-      for (int64_t ii = 0; ii < rows; ++ii)
-        for (int64_t g = 0; g < group; ++g) {
-          float* s = scores.data() + (ii * group + g) * span;
-          float& m = max_s[ii * group + g];
-          if (!tree) {  // causal: the row sees keys 0 .. visible_end - 1, a plain loop
-            const int64_t end = visible_end[ii];
-            for (int64_t j = 0; j < end; ++j) m = std::max(m, s[j]);
-            for (int64_t j = 0; j < end; ++j) s[j] = overlap::fixed_exp(s[j] - m);
-            for (int64_t j = 0; j < end; ++j) total[ii * group + g] += s[j];
-            continue;
-          }
-          for (int64_t j = 0; j < span; ++j)
-            if (visible(ii, j)) m = std::max(m, s[j]);
-          for (int64_t j = 0; j < span; ++j)
-            if (visible(ii, j)) {
-              s[j] = overlap::fixed_exp(s[j] - m);
-              total[ii * group + g] += s[j];
-            }
-        }
-      // 3. weighted values in key order, each value loaded once for the block.
-      acc.assign(nq * dim, 0.f);
-      for (int64_t j = 0; j < span; ++j) {
-        const int64_t slot = int64_t(pages[j / page_size]) * page_size + j % page_size;
-        to_float(vc + (slot * kv_heads + kvh) * dim, vf.data(), dim);
-        for (int64_t ii = 0; ii < rows; ++ii) {
-          if (!visible(ii, j)) continue;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[(ii * group + g) * span + j];
-            float* a = acc.data() + (ii * group + g) * dim;
-            for (int64_t d = 0; d < dim; ++d) a[d] += p * vf[d];
-          }
-        }
-      }
-      for (int64_t ii = 0; ii < rows; ++ii)
-        for (int64_t g = 0; g < group; ++g) {
-          T* o = out + ((q_start[b] + i0 + ii) * heads + kvh * group + g) * dim;
-          const float inv = 1.f / total[ii * group + g];
-          const float* a = acc.data() + (ii * group + g) * dim;
-          for (int64_t d = 0; d < dim; ++d) o[d] = T(a[d] * inv);
-        }
+      plan_block(in, task_seq[t / in.kv_heads], t % in.kv_heads, task_row[t / in.kv_heads], rows_per_task, blk);
+      attend(in, blk, scratch);
     }
   });
 }
@@ -157,11 +430,12 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   if (has_tree) TORCH_CHECK(tree.scalar_type() == torch::kBool && tree.is_contiguous() && tree.size(0) == q.size(0));
   const int64_t rows_per_task = 16;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    run<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                  out.data_ptr<scalar_t>(), q_start.data_ptr<int32_t>(), q_len.data_ptr<int32_t>(),
-                  kv_len.data_ptr<int32_t>(), page_table.data_ptr<int32_t>(), page_table.size(1),
-                  page_size, has_tree ? tree.data_ptr<bool>() : nullptr, has_tree ? tree.size(1) : 0,
-                  q_start.size(0), heads, kv_heads, dim, float(scale), rows_per_task);
+    const Inputs<scalar_t> in{q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                              out.data_ptr<scalar_t>(), q_start.data_ptr<int32_t>(), q_len.data_ptr<int32_t>(),
+                              kv_len.data_ptr<int32_t>(), page_table.data_ptr<int32_t>(), page_table.size(1),
+                              page_size, has_tree ? tree.data_ptr<bool>() : nullptr, has_tree ? tree.size(1) : 0,
+                              heads, kv_heads, dim, float(scale)};
+    run<scalar_t>(in, q_start.size(0), rows_per_task);
   });
   return out;
 }

@@ -2,6 +2,7 @@
 dense causal attention on random ragged batches and trees; the cpu kernel is batch-invariant."""
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -116,3 +117,46 @@ def test_cpu_kernel_rows_do_not_depend_on_the_batch(dtype):
         step = SeqAttention(1, s.kv_len - s.q_len + i + 1, s.page_table)
         assert torch.equal(backend.run(0, qs[1][i: i + 1], pool, backend.plan([step], page_size))[0],
                            together[1 + i])
+
+
+def _kernel_outputs(path: str) -> None:
+    """Run the cpu kernel on fixed random cases (bf16/f16/f32, head_dim 16/32/64, causal and
+    tree rows, ragged) and save the outputs: the subprocess half of the test below."""
+    b, outs = CpuBackend(), []
+    for seed, (hkv, d, dtype) in enumerate([(2, 16, torch.bfloat16), (3, 64, torch.bfloat16),
+                                            (3, 64, torch.float16), (2, 32, torch.float32)]):
+        torch.manual_seed(seed)
+        page, heads = 5, 3 * hkv
+        tree = tree_mask_from_parents([-1, 0, 0, 1, 2, 2, 3])
+        seqs = [(40, 1, None), (0, 37, None), (70, 7, tree), (19, 4, None)]
+        pool = KVPool(1, 60, page, hkv, d, dtype)
+        pool.k[0].normal_()
+        pool.v[0].normal_()
+        free = torch.randperm(60).tolist()
+        attn = [SeqAttention(n, c + n, [free.pop() for _ in range(-(-(c + n) // page))], t) for c, n, t in seqs]
+        q = (torch.randn(sum(n for _, n, _ in seqs), heads, d) * 3).to(dtype)
+        outs.append(b.run(0, q, pool, b.plan(attn, page)))
+    torch.save(outs, path)
+
+
+@pytest.mark.slow
+def test_vector_path_equals_reference_loops(tmp_path):
+    """attention.cpp's AVX-512 path (variants avx512/avx512bf16/amx) computes the reference
+    loops' arithmetic in another arrangement: the same bits as the AVX2 variant, which runs
+    the loops."""
+    import os
+    import subprocess
+    import sys
+
+    from overlap.kernels import cpu_flags, variant_name
+    if variant_name() in ("avx2", "generic") or not {"avx2", "fma"} <= cpu_flags():
+        pytest.skip("needs a CPU (and ISA cap) that runs the AVX-512 kernels and can run AVX2 ones")
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); " \
+           "import test_cpu_backends as t; t._kernel_outputs(sys.argv[1])"
+    for name, cap in (("vector", os.environ.get("ONEDNN_MAX_CPU_ISA")), ("loops", "AVX2")):
+        env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+        if cap:  # the caller's cap (or none) for the vector path, AVX2 for the loops
+            env["ONEDNN_MAX_CPU_ISA"] = cap
+        subprocess.run([sys.executable, "-c", code, str(tmp_path / name)], env=env, check=True, timeout=900)
+    for vector, loops in zip(torch.load(tmp_path / "vector"), torch.load(tmp_path / "loops")):
+        assert torch.equal(vector, loops)
