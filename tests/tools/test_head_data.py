@@ -1,0 +1,94 @@
+"""tools/head_data.py end to end on a tiny target (SmolLM2's tokenizer, 2 random layers): the
+corpus is built by the engine, the states are the target's own and resume bit for bit, and
+tools/train_mtp.py trains a multi-layer head with the training-time test on it, which the
+engine then runs losslessly."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from overlap.config import EngineConfig, SpecConfig
+from overlap.models.heads import load_head
+from overlap.models.llama import load_llama
+from runtime.engine import Engine
+from runtime.messages import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import head_data  # noqa: E402
+import train_mtp  # noqa: E402
+
+SMALL = ["--code-train-tokens", "3000", "--code-eval-tokens", "800", "--chat-instructions", "20",
+         "--chat-tokens", "16", "--code-headers", "8", "--code-tokens", "16", "--batch", "8", "--chunk", "4",
+         "--window", "65"]
+
+
+@pytest.fixture(scope="module")
+def data(tiny_dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("head_data") / "data"
+    assert head_data.main(["--model", str(tiny_dirs["target"]), "--out", str(out), *SMALL]) == 0
+    return out
+
+
+def test_corpus_and_states(data, tiny_dirs):
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert manifest["feature_layers"] == [0, 1]  # low/middle/high of a 2-layer target, deduplicated
+    for key in ("code/train", "code/eval", "chat/train", "chat/eval", "gen_code/train"):
+        part = manifest["parts"][key]
+        assert part["tokens"] > 0 and part["states_done"] == part["chunks"]
+    target = load_llama(tiny_dirs["target"], torch.bfloat16)
+    chat = head_data.HeadData(data, "chat", "train")
+    assert len(chat) >= 18  # one greedy reply per training instruction (18 of 20), cut in windows
+    # The stored states are the target's: H is the final norm of the last feature layer's output.
+    hidden, features = chat.rows(0, 40)
+    assert hidden.dtype == torch.bfloat16 and features.shape == (40, 2 * target.cfg.hidden_size)
+    with torch.inference_mode():
+        assert torch.equal(target.norm(features[:, -target.cfg.hidden_size:]), hidden)
+    # The replies are the target's own greedy continuations: argmax lm_head(H_j) = x_{j+1}
+    # inside the reply (a window of a chat sequence ends in its reply).
+    ids = chat.ids[: int(chat.offsets[1])]
+    h, _ = chat.rows(0, len(ids))
+    with torch.inference_mode():
+        greedy = target.compute_logits(h).argmax(-1)
+    assert torch.equal(greedy[-8:-1], ids[-7:])
+
+
+def test_states_resume_bit_for_bit(data, tiny_dirs):
+    chunk = sorted((data / "code" / "train").glob("chunk_*.pt"))[0]
+    before = chunk.with_suffix(".features").read_bytes(), chunk.with_suffix(".hidden").read_bytes()
+    chunk.with_suffix(".features").unlink()  # as if the run was killed before this chunk finished
+    assert head_data.main(["--model", str(tiny_dirs["target"]), "--out", str(data), "--stage", "states", *SMALL]) == 0
+    assert (chunk.with_suffix(".features").read_bytes(), chunk.with_suffix(".hidden").read_bytes()) == before
+
+
+@pytest.mark.parametrize("features,ttt", [("multi", "2"), ("last", "1")])
+def test_train_on_data_and_run_the_head_losslessly(data, tiny_dirs, tmp_path, features, ttt):
+    out = tmp_path / "head"
+    argv = ["--model", str(tiny_dirs["target"]), "--data", str(data), "--out", str(out),
+            "--workdir", str(tmp_path / "work"), "--steps", "6", "--batch-size", "2", "--crop", "32",
+            "--loss-vocab", "512", "--warmup", "2", "--ckpt-every", "3", "--features", features, "--ttt-depth", ttt]
+    assert train_mtp.main(argv) == 0
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["features"]["kind"] == features and report["training_time_test"]["depth"] == int(ttt)
+    per_depth = [k for k in report["train"]["final"] if k.startswith("acc") and k[3:].isdigit()]
+    assert per_depth == [f"acc{d}" for d in range(1, int(ttt) + 1)]  # a loss and accuracy per depth
+    assert report["data"]["by_part"]["chat"]["train"] > 0
+    target = load_llama(tiny_dirs["target"], torch.bfloat16)
+    head = load_head(out, target)
+    assert head.feature_layers == ((0, 1) if features == "multi" else ())
+    # Lossless in the engine: greedy output with the head drafting equals plain decoding.
+    prompts = ["def add(a, b):", "The capital of France is"]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    outputs = {}
+    for method in ("none", "mtp"):
+        spec = SpecConfig(method=method, num_spec_tokens=3, head=str(out) if method == "mtp" else None)
+        engine = Engine(EngineConfig(model=str(tiny_dirs["target"]), spec=spec), progress=False)
+        try:
+            outputs[method] = [r.token_ids for r in engine.generate(prompts, params)]
+            if method == "mtp":
+                assert engine.model.feature_layers == head.feature_layers
+        finally:
+            engine.close()
+    assert outputs["mtp"] == outputs["none"]
