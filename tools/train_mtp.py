@@ -51,13 +51,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from corpus import chat_instructions  # noqa: E402
-from overlap.attention import ReferenceBackend, SeqAttention  # noqa: E402
+from overlap.attention import ReferenceBackend  # noqa: E402
 from overlap.models.heads import MTPHead, save_head  # noqa: E402
 from overlap.models.llama import LlamaModel, default_feature_layers, load_llama  # noqa: E402
 from overlap.models.loading import load_tokenizer, resolve_model_dir  # noqa: E402
 
 PARTS = ("code", "chat", "gen_code")  # tools/distill_draft.py's parts
-PAGE = 16
 
 
 def parse_args(argv=None):
@@ -199,28 +198,19 @@ class MemoryPart:
 
 # ---------------------------------------------------------------------------- 2. states
 
-@torch.inference_mode()
 def target_states(target: LlamaModel, windows: list[list[int]], batch: int, layers: tuple[int, ...],
                   desc: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(H [sum of lengths, hidden], features [sum of lengths, len(layers) * hidden]) bf16: the
-    target's hidden after its final norm and the outputs of `layers`, every position of every
-    window (each its own sequence from position 0), `batch` windows a forward."""
+    """(H [sum of lengths, hidden], features [sum of lengths, len(layers) * hidden]) bf16 of
+    every window (each its own sequence from position 0), `batch` windows a forward, through
+    the reference attention backend (tools/head_data.py's forward, on small corpora)."""
+    from head_data import target_states as run_windows
+
     backend = ReferenceBackend()
     hidden, features = [], []
     for i in tqdm(range(0, len(windows), batch), desc=desc):
-        chunk = windows[i: i + batch]
-        seqs, pages = [], 0
-        for w in chunk:
-            n = -(-len(w) // PAGE)
-            seqs.append(SeqAttention(len(w), len(w), list(range(pages, pages + n))))
-            pages += n
-        kv = target.new_kv_pool(pages, PAGE)
-        meta = backend.plan(seqs, PAGE)
-        ids = torch.tensor([t for w in chunk for t in w])
-        positions = torch.cat([torch.arange(len(w)) for w in chunk])
-        h, taps = target.forward_states(ids, positions, backend, kv, meta, layers)
-        hidden.append(h.to(torch.bfloat16))
-        features.append(torch.cat(taps, -1).to(torch.bfloat16))
+        h, f = run_windows(target, backend, windows[i: i + batch], layers)
+        hidden.append(h)
+        features.append(f)
     width = target.cfg.hidden_size
     if not hidden:
         return torch.zeros(0, width, dtype=torch.bfloat16), torch.zeros(0, len(layers) * width, dtype=torch.bfloat16)
