@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (Debian
 
 @pytest.fixture(scope="module")
 def daemon(smol_dir):
-    config = EngineConfig(model=str(smol_dir), spec=SpecConfig(method="ngram", num_spec_tokens=3),
+    config = EngineConfig(model=str(smol_dir), spec=SpecConfig(method="ngram", num_spec_tokens=3, controller="off"),
                           cache=CacheConfig(page_size=16, num_pages=128),
                           scheduler=SchedulerConfig(max_num_seqs=4, max_batched_tokens=256))
     with Daemon(config, "tcp://127.0.0.1:*", ready_timeout_s=600, ws_listen="127.0.0.1:0", ws_token=TOKEN) as d:

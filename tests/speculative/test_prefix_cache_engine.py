@@ -24,7 +24,9 @@ MAX_TOKENS = 16
 
 def engine(tiny_dirs, heads, method, prefix_caching, target="target", page_size=4, num_pages=512,
            max_batched_tokens=512, max_num_seqs=64, k=3) -> Engine:
-    spec = SpecConfig(method=method, num_spec_tokens=4 if method == "eagle" else k,
+    # controller="off": these tests compare draft counts and depths, which a controller choosing
+    # k from measured step times would vary between runs.
+    spec = SpecConfig(method=method, num_spec_tokens=4 if method == "eagle" else k, controller="off",
                       draft_model=str(tiny_dirs["draft" if target == "target" else "draft_v6"])
                       if method == "draft" else None,
                       head=str(heads[target]) if method in ("mtp", "eagle") else None,
