@@ -41,8 +41,11 @@ import dataclasses
 import json
 import os
 import platform
+import queue
 import sys
+import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,6 +199,101 @@ class ServerClient:
 
     def close(self) -> None:
         self.client.close()
+
+
+class HttpClient:
+    """The OpenAI-compatible HTTP server (runtime/http_server.py) as a StreamClient, as its
+    users reach it: one streamed POST /v1/completions per request (the prompt as token ids,
+    `return_token_ids` for exact counts), each read on a thread of its own; the deltas meet in
+    one queue that step() drains. `spec_on` False asks for `"speculation": {"mode": "none"}`.
+    With `scrape_s`, a thread also GETs /metrics every `scrape_s` seconds while requests run
+    (the metrics-overhead comparison). `stats_from`: the daemon's ZeroMQ address, for the
+    counters (device timing, prefix cache) the HTTP API does not carry."""
+
+    def __init__(self, url: str, spec_on: bool, token: str | None = None, scrape_s: float | None = None,
+                 stats_from: str | None = None, timeout: float = 600.0):
+        import httpx
+
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        base = url.rstrip("/").removesuffix("/v1")
+        self.http = httpx.Client(base_url=base, headers=headers, timeout=timeout,
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.spec_on, self.timeout = spec_on, timeout
+        self.events: queue.Queue = queue.Queue()
+        self.finished: dict[str, dict] = {}
+        self.scrapes = 0
+        self._stop = threading.Event()
+        self._zmq = None
+        if stats_from:
+            from runtime.client import Client
+
+            self._zmq = Client(stats_from, timeout=60)
+        if scrape_s:
+            threading.Thread(target=self._scrape_every, args=(scrape_s,), daemon=True).start()
+
+    def _body(self, prompt_ids: list[int], params: SamplingParams) -> dict:
+        body = {"prompt": prompt_ids, "max_tokens": params.max_tokens, "temperature": params.temperature,
+                "ignore_eos": params.ignore_eos, "stream": True, "return_token_ids": True}
+        if not self.spec_on:
+            body["speculation"] = {"mode": "none"}
+        return body
+
+    def warm_up(self, prompt_ids: list[int]) -> None:
+        r = self.http.post("/v1/completions", json={**self._body(prompt_ids, SamplingParams(max_tokens=4)),
+                                                    "stream": False})
+        r.raise_for_status()
+
+    def add(self, prompt_ids: list[int], params: SamplingParams) -> str:
+        request_id = f"http-{uuid.uuid4().hex}"
+        threading.Thread(target=self._stream, args=(request_id, self._body(prompt_ids, params)),
+                         daemon=True).start()
+        return request_id
+
+    def _stream(self, request_id: str, body: dict) -> None:
+        try:
+            with self.http.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')}")
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue  # blank separators and the final [DONE]
+                    chunk = json.loads(line[len("data: "):])
+                    if "error" in chunk:
+                        raise RuntimeError(f"the server failed the request: {chunk['error']}")
+                    if not chunk["choices"]:
+                        continue  # the usage chunk
+                    choice = chunk["choices"][0]
+                    if choice["finish_reason"]:
+                        self.finished[request_id] = chunk.get("speculation") or {}
+                    self.events.put(Delta(request_id, choice["text"], choice["token_ids"], choice["finish_reason"]))
+        except Exception as e:  # noqa: BLE001 - handed to the driving thread, which raises it
+            self.events.put(e)
+
+    def step(self) -> list[Delta]:
+        items = [self.events.get(timeout=self.timeout)]
+        while not self.events.empty():
+            items.append(self.events.get_nowait())
+        for item in items:
+            if isinstance(item, Exception):
+                raise item
+        return items
+
+    def _scrape_every(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            self.http.get("/metrics").raise_for_status()
+            self.scrapes += 1
+
+    def stats(self, request_id: str) -> dict | None:
+        return self.finished.pop(request_id, None)
+
+    def counters(self) -> dict:
+        return {**(self._zmq.stats() if self._zmq else {}), "metrics_scrapes": self.scrapes}
+
+    def close(self) -> None:
+        self._stop.set()
+        self.http.close()
+        if self._zmq:
+            self._zmq.close()
 
 
 def device_timing(before: dict, after: dict) -> dict | None:
@@ -416,6 +514,8 @@ def bench_variant(client, prompt_ids: list[list[int]], max_tokens: int,
                      "decode_tokens_per_s": float(np.mean(rates)) if rates else None,
                      **acceptance([t.stats for t in traces]), "by_kind": by_kind(traces, kinds),
                      "device": device_timing(before, after), "prefix_cache": prefix_cache_use(before, after),
+                     "metrics_scrapes": after["metrics_scrapes"] - before["metrics_scrapes"]
+                     if "metrics_scrapes" in after else None,
                      "outputs": [{"kind": k, "token_ids": t.token_ids, "finish_reason": t.finish_reason,
                                   "stats": t.stats} for t, k in zip(traces, kinds)]})
     return runs
@@ -424,12 +524,16 @@ def bench_variant(client, prompt_ids: list[list[int]], max_tokens: int,
 @dataclass(frozen=True)
 class Variant:
     """One column of the comparison: an in-process engine built from `config`, or (with
-    `server`) the daemon at that address, whose requests speculate when `spec_on`."""
+    `server`) the daemon at that address, whose requests speculate when `spec_on`, reached
+    through the ZeroMQ client library or (with `http`) its OpenAI HTTP server."""
 
     label: str
     config: EngineConfig
     server: str | None = None
     spec_on: bool = True
+    http: str | None = None  # the daemon's OpenAI HTTP server: requests go there (HttpClient)
+    http_token: str | None = None
+    scrape_s: float | None = None  # with http: GET /metrics this often while running
 
 
 def compare_outputs(ours: list[list[int]], ref: list[list[int]], exact: bool = False) -> dict:
@@ -478,7 +582,8 @@ def run_bench(variants: list[Variant | tuple[str, EngineConfig]], prompts: list[
             prompt_ids = prompt_ids or encode_prompts(engine.tokenizer, engine.max_model_len, prompts, shared_prefix)
             wbytes = weight_bytes(engine.model)
         else:
-            client = ServerClient(v.server, v.spec_on)
+            client = HttpClient(v.http, v.spec_on, v.http_token, v.scrape_s, stats_from=v.server) if v.http \
+                else ServerClient(v.server, v.spec_on)
             if prompt_ids is None:
                 from overlap.models.loading import load_tokenizer
 
@@ -496,7 +601,8 @@ def run_bench(variants: list[Variant | tuple[str, EngineConfig]], prompts: list[
         floor_ms = wbytes / report["bandwidth"]["copy_bytes_per_s"] * 1e3 if wbytes else None
         measured = next(r for r in runs if r["concurrency"] == base_c)["itl_mean_ms"]
         report["variants"].append({
-            "label": v.label, "engine_config": dataclasses.asdict(v.config), "server": v.server, "runs": runs,
+            "label": v.label, "engine_config": dataclasses.asdict(v.config), "server": v.server, "http": v.http,
+            "scrape_s": v.scrape_s, "runs": runs,
             "weight_bytes": wbytes, "floor_ms_per_token": floor_ms, "ms_per_token": measured,
             "bandwidth_efficiency": floor_ms / measured if measured and floor_ms else None,
         })

@@ -11,6 +11,8 @@
     overlap serve --http 8000 ...          (and an OpenAI-compatible HTTP API on 127.0.0.1:8000/v1)
     overlap http --server tcp://127.0.0.1:5557 --listen 127.0.0.1:8000
     overlap bench --prompts prompts/dev.jsonl --server tcp://127.0.0.1:5557 --spec none draft --compare-inprocess
+    overlap bench --prompts prompts/dev.jsonl --server tcp://127.0.0.1:5557 --http http://127.0.0.1:8000 \
+        --spec none --concurrency 8 --compare-inprocess --scrape-metrics 1
     overlap convert [MODEL.gguf] [--out DIR]
 
 Bad input (an empty prompt, --max-tokens 0, a missing model or prompts file, a prompt longer
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -179,6 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--server", metavar="ADDRESS",
                        help="benchmark an `overlap serve` daemon through the client library; --spec may "
                             "then be none (speculation off per request) and/or the server's own mode")
+    bench.add_argument("--http", metavar="URL",
+                       help="with --server: also run each server mode through the daemon's OpenAI HTTP server "
+                            "at URL (`overlap serve --http`; streamed /v1/completions), as \"MODE @http\"")
+    bench.add_argument("--http-token", metavar="SECRET",
+                       help="with --http: the server's bearer token (default: $OVERLAP_BRIDGE_TOKEN)")
+    bench.add_argument("--scrape-metrics", type=float, metavar="S",
+                       help="with --http: also run each HTTP variant while GET /metrics runs every S seconds "
+                            "(\"MODE @http +metrics\"): the cost of being scraped")
     bench.add_argument("--compare-inprocess", action="store_true",
                        help="with --server: also run the in-process engine (same config) in this run")
     bench.add_argument("--compare-tp", type=_positive_int, nargs="+", metavar="N",
@@ -620,10 +631,21 @@ def _bench_variants(args: argparse.Namespace) -> list:
             for tp in args.compare_tp or []:
                 if tp != config.tensor_parallel:
                     variants.append(Variant(f"{mode} tp={tp}", dataclasses.replace(config, tensor_parallel=tp)))
+    if (args.http or args.scrape_metrics) and not args.server:
+        raise ValueError("--http and --scrape-metrics need --server (the daemon the HTTP server talks to)")
+    if args.scrape_metrics and not args.http:
+        raise ValueError("--scrape-metrics needs --http URL")
     if args.server:
         # The server's own config decides its engine; ours only names the model for tokenizing.
-        variants += [Variant(f"{mode} @server", engine_config(args, None), args.server, mode != "none")
-                     for mode in modes if ":" not in mode]
+        served = [mode for mode in modes if ":" not in mode]
+        config = engine_config(args, None)
+        variants += [Variant(f"{mode} @server", config, args.server, mode != "none") for mode in served]
+        token = args.http_token or os.environ.get("OVERLAP_BRIDGE_TOKEN")
+        for mode in served if args.http else []:
+            variants.append(Variant(f"{mode} @http", config, args.server, mode != "none", args.http, token))
+            if args.scrape_metrics:
+                variants.append(Variant(f"{mode} @http +metrics/{args.scrape_metrics:g}s", config, args.server,
+                                        mode != "none", args.http, token, args.scrape_metrics))
     return variants
 
 

@@ -20,6 +20,9 @@ responses name it. Streams are server-sent events, `data: {chunk}` per delta, en
   "speculation": {"num_spec_tokens": 2}     this request's chain length (0 = no drafts; for an
                                             EAGLE server only 0 or the tree's size)
   "top_k": 40, "ignore_eos": true           as in SamplingParams (runtime/messages.py)
+  "return_token_ids": true                  each choice (and each streamed chunk's) also carries
+                                            the generated "token_ids" (vLLM's extension of the
+                                            same name): exact token counts for benchmarks
 and a response's (or the final chunk's) "speculation" field reports the request's drafts,
 acceptance per position and acceptance length when it speculated.
 
@@ -110,6 +113,7 @@ class _Body(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_k: int | None = None  # extension
     ignore_eos: bool = False  # extension
     speculation: Speculation | None = None  # extension
+    return_token_ids: bool = False  # extension (vLLM's): token ids beside the text
 
 
 class CompletionBody(_Body, forbid_unknown_fields=True, kw_only=True):
@@ -497,9 +501,9 @@ class OpenAIServer:
             raise
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return SSEResponse(run.events(first, deltas, chat, include_usage))
+            return SSEResponse(run.events(first, deltas, chat, include_usage, body.return_token_ids))
         try:
-            text, finish, stats = await _unless_disconnected(request, run.collect(first, deltas))
+            text, token_ids, finish, stats = await _unless_disconnected(request, run.collect(first, deltas))
         except _ClientGone:
             return Response(status_code=499)
         except ServerError as e:
@@ -511,6 +515,8 @@ class OpenAIServer:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
+        if body.return_token_ids:
+            choice["token_ids"] = token_ids
         out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                "model": self.model, "choices": [choice], "usage": usage(stats)}
         spec = speculation_report(stats)
@@ -559,16 +565,17 @@ class _Run:
         if finish is not None or failed:
             self.server.metrics.request_finished("error" if failed else finish, stats, self.delta_times)
 
-    async def collect(self, first, deltas) -> tuple[str, str, dict]:
-        text, d = [], first
+    async def collect(self, first, deltas) -> tuple[str, list[int], str, dict]:
+        text, token_ids, d = [], [], first
         finish = stats = None
         try:
             while True:
                 self.note(d)
                 text.append(d.text)
+                token_ids += d.token_ids
                 if d.finish_reason:
                     finish, stats = d.finish_reason, d.stats or {}
-                    return "".join(text), finish, stats
+                    return "".join(text), token_ids, finish, stats
                 d = await deltas.__anext__()
         except (ServerError, ClientTimeout):
             await self.end(deltas, None, None, failed=True)
@@ -578,18 +585,20 @@ class _Run:
                 self.server.metrics.request_finished("abort", None, [])
             await self.end(deltas, finish, stats)
 
-    async def events(self, first, deltas, chat: bool, include_usage: bool):
+    async def events(self, first, deltas, chat: bool, include_usage: bool, return_token_ids: bool = False):
         """The SSE byte chunks of one streamed request, `data: [DONE]` last."""
         created, model = int(time.time()), self.server.model
         obj = "chat.completion.chunk" if chat else "text_completion"
         finish = stats = None
 
-        def chunk(text: str | None, finish_reason: str | None, role: bool = False, **extra) -> dict:
+        def chunk(text: str | None, finish_reason: str | None, role: bool = False, token_ids=(), **extra) -> dict:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            if return_token_ids:
+                choice["token_ids"] = list(token_ids)
             out = {"id": self.rid, "object": obj, "created": created, "model": model, "choices": [choice], **extra}
             if include_usage:
                 out["usage"] = None
@@ -604,11 +613,13 @@ class _Run:
                 if d.finish_reason:
                     finish, stats = d.finish_reason, d.stats or {}
                     spec = speculation_report(stats)
-                    yield _sse(chunk(d.text or (None if chat else ""), finish,
+                    yield _sse(chunk(d.text or (None if chat else ""), finish, token_ids=d.token_ids,
                                      **({"speculation": spec} if spec is not None else {})))
                     break
-                if d.text:
-                    yield _sse(chunk(d.text, None))
+                # Token ids whose text the detokenizer still holds back (an incomplete
+                # character) get a chunk of their own when the client asked for ids.
+                if d.text or (return_token_ids and d.token_ids):
+                    yield _sse(chunk(d.text, None, token_ids=d.token_ids))
                 try:
                     d = await deltas.__anext__()
                 except (ServerError, ClientTimeout) as e:

@@ -168,6 +168,19 @@ def test_sse_wire_format(http):
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
     body = [json.loads(e[len("data: "):]) for e in events[:-1]]
     assert body[-1]["choices"][0]["finish_reason"] == "length" and body[-1]["speculation"]["drafts"] > 0
+    assert all("token_ids" not in c["choices"][0] for c in body)  # only when asked for
+
+
+def test_return_token_ids_streamed_and_not(client, http):
+    want = client.generate(PROMPT, max_tokens=12, ignore_eos=True)
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want.token_ids
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[len("data: "):]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == want.token_ids
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want.text
 
 
 # -- bad requests ----------------------------------------------------------------------------
@@ -304,6 +317,27 @@ def test_a_client_that_leaves_a_non_streamed_request_frees_its_pages(daemon, cli
         before['overlap_requests_finished_total{reason="abort"}'] + 1
     assert after['overlap_requests_finished_total{reason="length"}'] == \
         before['overlap_requests_finished_total{reason="length"}']
+
+
+# -- bench through the HTTP server ------------------------------------------------------------
+
+def test_bench_through_http_matches_the_zmq_client_and_scrapes(daemon, tiny_dirs):
+    """`overlap bench --server ... --http ... --scrape-metrics`: the same greedy tokens through
+    the ZeroMQ client and through streamed HTTP, counted exactly, while /metrics is scraped."""
+    from runtime.bench import Variant, run_bench
+
+    config = tiny_config(tiny_dirs)
+    url = daemon.http_endpoint
+    variants = [Variant("draft @server", config, daemon.endpoint),
+                Variant("draft @http", config, daemon.endpoint, True, url, TOKEN),
+                Variant("none @http +metrics/0.05s", config, daemon.endpoint, False, url, TOKEN, 0.05)]
+    report = run_bench(variants, ["def add(a, b):", "import os", "The sea is", "class Stack:"], max_tokens=12,
+                       concurrencies=[3], progress=False)
+    zmq, http, scraped = (v["runs"][0] for v in report["variants"])
+    assert [o["token_ids"] for o in http["outputs"]] == [o["token_ids"] for o in zmq["outputs"]]
+    assert http["vs_baseline"]["identical"] == 4 and scraped["vs_baseline"]["identical"] == 4
+    assert http["output_tokens"] == zmq["output_tokens"] > 0 and http["drafts"] > 0
+    assert scraped["drafts"] == 0 and scraped["metrics_scrapes"] > 0 and http["metrics_scrapes"] == 0
 
 
 # -- metrics ---------------------------------------------------------------------------------
