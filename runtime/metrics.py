@@ -70,6 +70,8 @@ class DaemonStats(Collector):
         yield from counter("overlap_steps", "Steps the executor ran", "steps")
         yield from gauge("overlap_spec_mean_k", "Drafts (EAGLE: tree nodes) the speculation controller chose per "
                          "speculating decode, averaged over the server's life", "spec_mean_k")
+        yield from counter("overlap_spec_detached", "Requests the speculation controller stopped speculating "
+                           "for (many steps without drafts: the drafter stops following them)", "spec_detached")
         yield from counter("overlap_device_busy_seconds", "Device time spent running steps", "device_busy_s")
         yield from counter("overlap_device_idle_seconds", "Device time idle between and inside steps",
                            "device_idle_s")

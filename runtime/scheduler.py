@@ -158,6 +158,11 @@ class Scheduler:
         candidates = [Candidate(works[i].seq_id, self._options(works[i])) for i in spec]
         chosen = dict(zip(spec, self.controller.choose(candidates, sum(len(w.token_ids) for w in others),
                                                        sum(1 for w in others if w.sample))))
+        for c in candidates:
+            if self.controller.should_detach(c.key):
+                # Many steps without drafts: stop speculating for this request, so the drafter
+                # stops following it (its catch-up is what a "no drafts" step still costs).
+                self.by_seq[c.key].num_spec_tokens = 0
         return [msgspec.structs.replace(w, num_spec_tokens=chosen[i].k) if i in chosen else w
                 for i, w in enumerate(works)]
 
@@ -251,7 +256,7 @@ class Scheduler:
                 # is moved into place): those tokens are computed, so the next step starts at the
                 # bonus token and speculates, instead of re-running the accepted drafts as a chunk.
                 seq.num_computed += out.num_accepted
-            if seq.num_spec_tokens and seq.finish_reason is None:
+            if (seq.num_spec_tokens or work.draft) and seq.finish_reason is None:  # (work: detached this step)
                 # Give back the pages reserved for rejected drafts; keep what holds every
                 # known token (the drafter's KV includes the last one).
                 self.allocator.trim(seq.pages, len(seq.tokens))

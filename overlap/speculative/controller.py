@@ -23,6 +23,14 @@ the most per extra row goes first, and the best configuration seen along the way
 first loss). Per-request caps (`SamplingParams.spec`, `num_spec_tokens`, room before
 max_tokens) bound the options; the controller never exceeds them.
 
+Detaching. Choosing no drafts does not make a step free: a model drafter still follows every
+speculating sequence (its catch-up runs the head or the draft model over each new token,
+~10% of a target step here), so a batch where the controller keeps choosing 0 is slower than
+plain decoding. A sequence whose last `detach_after` choices were all "no drafts" is
+therefore detached: the scheduler stops speculating for it for the rest of the request and
+the drafter stops following it (`should_detach`), which makes it cost exactly a plain decode.
+Under sustained load every sequence detaches; new requests start attached.
+
 Pure and deterministic given its inputs: tests drive it with a scripted cost model.
 """
 
@@ -193,6 +201,7 @@ class ControllerConfig:
     alpha: float = 0.3  # weight of the newest step in a sequence's acceptance average
     relax: float = 0.02  # per plain step, pull toward the prior (re-probing a turned-off sequence)
     min_gain: float = 1.0 + 1e-6  # speculate only if the predicted rate beats plain decoding by this factor
+    detach_after: int = 16  # consecutive "no drafts" choices after which a sequence is detached (0: never)
 
 
 class SpeculationController:
@@ -202,6 +211,8 @@ class SpeculationController:
         self.acceptance: dict[Hashable, Acceptance] = {}
         self.chosen = Counter()  # k (verify rows) chosen per decoding sequence, over all steps
         self.steps = 0
+        self.plain_streak: Counter = Counter()  # key → consecutive steps it was given no drafts
+        self.detached = 0  # sequences detached over the controller's life
 
     def _acc(self, key: Hashable) -> Acceptance:
         acc = self.acceptance.get(key)
@@ -224,7 +235,20 @@ class SpeculationController:
             self.chosen[o.k] += 1
             if o.depth == 0:
                 self._acc(c.key).relax(self.config.relax)
+                self.plain_streak[c.key] += 1
+            else:
+                self.plain_streak.pop(c.key, None)
         return picked
+
+    def should_detach(self, key: Hashable) -> bool:
+        """Whether the sequence went `detach_after` steps without drafts (see the module doc);
+        True once: the controller then forgets it (the scheduler stops offering it drafts)."""
+        after = self.config.detach_after
+        if not (self.config.enabled and after and self.plain_streak.get(key, 0) >= after):
+            return False
+        self.forget(key)
+        self.detached += 1
+        return True
 
     def _time(self, rows: int, levels: list[int]) -> float:
         return self.cost.step_ms(rows) + sum(self.cost.drafter_ms(n) for n in levels if n)
@@ -280,12 +304,14 @@ class SpeculationController:
 
     def forget(self, key: Hashable) -> None:
         self.acceptance.pop(key, None)
+        self.plain_streak.pop(key, None)
 
     def stats(self) -> dict:
         total = sum(self.chosen.values())
         mean = sum(k * c for k, c in self.chosen.items()) / total if total else 0.0
         out = {"spec_controller": "on" if self.config.enabled else "off", "spec_mean_k": mean,
-               "spec_k_histogram": {str(k): c for k, c in sorted(self.chosen.items())}}
+               "spec_k_histogram": {str(k): c for k, c in sorted(self.chosen.items())},
+               "spec_detached": self.detached}
         if isinstance(self.cost, StepCostModel):
             out["spec_cost_model"] = self.cost.as_dict()
         return out

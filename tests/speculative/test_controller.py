@@ -134,3 +134,30 @@ def test_cost_model_from_a_step_costs_report():
     cost = StepCostModel.from_report(report, "mtp")
     assert cost.step_ms(1) == 16.8 and cost.step_ms(8) == 27.6 and cost.step_ms(32) == 52.8
     assert cost.drafter_fraction == 0.1
+
+
+def test_a_sequence_without_drafts_for_detach_after_steps_is_detached_once():
+    ctl = controller(Scripted(base=1.0, per_row=10.0), detach_after=3)  # steep: always plain
+    cands = [Candidate("a", chain_options(2))]
+    detached = []
+    for _ in range(5):
+        assert ctl.choose(cands) == [PLAIN]
+        detached.append(ctl.should_detach("a"))
+    assert detached == [False, False, True, False, False]
+    assert ctl.stats()["spec_detached"] == 1
+
+
+def test_a_step_with_drafts_resets_the_streak_and_detaching_can_be_off():
+    cost = Scripted(base=10.0, per_row=0.0)  # flat: drafts win while they land
+    ctl = controller(cost, detach_after=2, relax=0.0)
+    train(ctl, "a", 0)
+    cands = [Candidate("a", chain_options(2))]
+    ctl.choose(cands)  # plain (acceptance 0): streak 1
+    train(ctl, "a", 2)
+    assert ctl.choose(cands)[0].k == 2 and not ctl.should_detach("a")  # drafts again: streak 0
+    never = controller(Scripted(base=1.0, per_row=10.0), detach_after=0)
+    off = controller(Scripted(base=1.0, per_row=10.0), enabled=False, detach_after=1)
+    for ctl in (never, off):
+        for _ in range(20):
+            ctl.choose(cands)
+        assert not ctl.should_detach("a")
