@@ -81,19 +81,27 @@ class CostModel(Protocol):
 
     def drafter_ms(self, rows: int) -> float: ...  # one drafter step over `rows` sequences
 
-    def observe(self, rows: int, drafter_rows: list[int], ms: float) -> None: ...
+    # Fixed ms a step pays when any sequence in it speculates (the proposal, verification and
+    # the speculative path's host work), on top of the rows and the drafter's levels.
+    spec_overhead_ms: float
+
+    def observe(self, rows: int, drafter_rows: list[int], ms: float, speculative: bool = False) -> None: ...
 
 
 class StepCostModel:
     """Target ms vs total query rows: piecewise linear between measured points, linear past
     the last; the drafter step is `drafter_fraction` of a target step over the same rows.
 
-    Online correction: each observed step (its rows, the drafter's levels and its wall time)
-    updates an exponential average of observed / predicted for the rows bucket it fell in
-    (buckets by powers of two), so a curve measured under other conditions (another context
-    length, a busier machine) bends toward what the server actually sees. A correction
-    per bucket, not one scale, because one scale never changes a decision (the rate's
-    argmax is scale-free): only the curve's shape does."""
+    Online correction: each observed plain step (its rows and its wall time) updates an
+    exponential average of observed / predicted for the rows bucket it fell in (buckets by
+    powers of two), so a curve measured under other conditions (another context length, a
+    busier machine) bends toward what the server actually sees. A correction per bucket, not
+    one scale, because one scale never changes a decision (the rate's argmax is scale-free):
+    only the curve's shape does. A speculative step's excess over that prediction (rows plus
+    the drafter's levels) feeds `spec_overhead_ms`, the fixed price of speculating at all:
+    a forward over the same rows costs the same either way, so what is left is the proposal,
+    the verification and their host work, which a bare cost curve does not see and which
+    decides whether one draft for one sequence of a large batch pays."""
 
     def __init__(self, points: dict[int, float], drafter_fraction: float = 0.0, alpha: float = 0.1):
         if not points or 1 not in points:
@@ -102,7 +110,8 @@ class StepCostModel:
         self.ms = [float(points[r]) for r in self.rows]
         self.drafter_fraction = drafter_fraction
         self.alpha = alpha
-        self.correction: dict[int, float] = {}  # bucket → observed / predicted (EMA)
+        self.correction: dict[int, float] = {}  # bucket → observed / predicted (EMA), plain steps
+        self.spec_overhead_ms = 0.0  # EMA of a speculative step's ms beyond the prediction
 
     @classmethod
     def from_report(cls, report: dict, drafter: str | None = None, batch=None) -> "StepCostModel":
@@ -122,7 +131,8 @@ class StepCostModel:
     def as_dict(self) -> dict:
         # String keys: the stats travel as JSON too (HTTP, bench reports).
         return {"points": {str(r): ms for r, ms in zip(self.rows, self.ms)}, "drafter_fraction": self.drafter_fraction,
-                "correction": {str(1 << (b - 1)): c for b, c in sorted(self.correction.items())}}
+                "correction": {str(1 << (b - 1)): c for b, c in sorted(self.correction.items())},
+                "spec_overhead_ms": self.spec_overhead_ms}
 
     @staticmethod
     def _bucket(rows: int) -> int:
@@ -147,9 +157,17 @@ class StepCostModel:
     def drafter_ms(self, rows: int) -> float:
         return self.drafter_fraction * self.step_ms(rows) if rows else 0.0
 
-    def observe(self, rows: int, drafter_rows: list[int], ms: float) -> None:
-        predicted = self._base(rows) + sum(self.drafter_fraction * self._base(n) for n in drafter_rows if n)
-        if predicted <= 0 or ms <= 0:
+    def observe(self, rows: int, drafter_rows: list[int], ms: float, speculative: bool = False) -> None:
+        if ms <= 0:
+            return
+        if speculative:
+            predicted = self.step_ms(rows) + sum(self.drafter_ms(n) for n in drafter_rows if n)
+            # Clamped like the ratio below: one stalled step must not rewrite the overhead.
+            excess = min(max(ms - predicted, 0.0), predicted)
+            self.spec_overhead_ms += self.alpha * (excess - self.spec_overhead_ms)
+            return
+        predicted = self._base(rows)
+        if predicted <= 0:
             return
         b = self._bucket(rows)
         ratio = min(4.0, max(0.25, ms / predicted))  # one stalled step must not rewrite the curve
@@ -250,8 +268,9 @@ class SpeculationController:
         self.detached += 1
         return True
 
-    def _time(self, rows: int, levels: list[int]) -> float:
-        return self.cost.step_ms(rows) + sum(self.cost.drafter_ms(n) for n in levels if n)
+    def _time(self, rows: int, levels: list[int], speculating: bool = True) -> float:
+        overhead = self.cost.spec_overhead_ms if speculating else 0.0
+        return self.cost.step_ms(rows) + sum(self.cost.drafter_ms(n) for n in levels if n) + overhead
 
     def _search(self, candidates: list[Candidate], other_rows: int, other_tokens: int) -> list[SpecOption]:
         n = len(candidates)
@@ -261,7 +280,7 @@ class SpeculationController:
         tokens = other_tokens + float(n)
         max_depth = max((c.options[-1].depth for c in candidates), default=0)
         drafting = [0] * (max_depth + 1)  # drafting[j]: sequences drafting at depth >= j (j >= 1)
-        plain_rate = tokens / self._time(rows, [])
+        plain_rate = tokens / self._time(rows, [], speculating=False)
         best_rate, best_len, path = plain_rate * self.config.min_gain, 0, []
 
         def push(heap, i):
@@ -299,8 +318,8 @@ class SpeculationController:
         if num_drafts:
             self._acc(key).observe(num_drafts, num_accepted)
 
-    def observe_step(self, rows: int, drafter_rows: list[int], seconds: float) -> None:
-        self.cost.observe(rows, drafter_rows, seconds * 1e3)
+    def observe_step(self, rows: int, drafter_rows: list[int], seconds: float, speculative: bool = False) -> None:
+        self.cost.observe(rows, drafter_rows, seconds * 1e3, speculative)
 
     def forget(self, key: Hashable) -> None:
         self.acceptance.pop(key, None)

@@ -152,8 +152,11 @@ class FixedChoices:
     def observe(self, key, num_drafts, num_accepted):
         self.observed.append((key, num_drafts, num_accepted))
 
-    def observe_step(self, rows, drafter_rows, seconds):
+    def observe_step(self, rows, drafter_rows, seconds, speculative=False):
         self.steps.append((rows, drafter_rows, seconds))
+
+    def should_detach(self, key):
+        return False
 
     def forget(self, key):
         self.forgotten.append(key)

@@ -135,8 +135,11 @@ class RandomChoices:
     def observe(self, key, num_drafts, num_accepted):
         pass
 
-    def observe_step(self, rows, drafter_rows, seconds):
+    def observe_step(self, rows, drafter_rows, seconds, speculative=False):
         pass
+
+    def should_detach(self, key):
+        return False
 
     def forget(self, key):
         pass

@@ -10,8 +10,9 @@ from overlap.speculative.controller import (PLAIN, Candidate, ControllerConfig, 
 class Scripted:
     """ms = base + per_row · rows; the drafter costs `drafter` of a target step per level."""
 
-    def __init__(self, base=10.0, per_row=0.0, drafter=0.0):
+    def __init__(self, base=10.0, per_row=0.0, drafter=0.0, spec_overhead_ms=0.0):
         self.base, self.per_row, self.drafter = base, per_row, drafter
+        self.spec_overhead_ms = spec_overhead_ms
         self.seen = []
 
     def step_ms(self, rows):
@@ -20,7 +21,7 @@ class Scripted:
     def drafter_ms(self, rows):
         return self.drafter * self.step_ms(rows)
 
-    def observe(self, rows, drafter_rows, ms):
+    def observe(self, rows, drafter_rows, ms, speculative=False):
         self.seen.append((rows, ms))
 
 
@@ -161,3 +162,28 @@ def test_a_step_with_drafts_resets_the_streak_and_detaching_can_be_off():
         for _ in range(20):
             ctl.choose(cands)
         assert not ctl.should_detach("a")
+
+
+def test_a_fixed_price_of_speculating_keeps_a_large_batch_plain():
+    """One draft for one sequence of 16 adds little time by the rows alone; with the fixed
+    price of a speculative step (proposal, verification) it no longer pays."""
+    cands = [Candidate(i, chain_options(1)) for i in range(16)]
+
+    def ks(overhead):
+        ctl = controller(Scripted(base=30.0, per_row=0.5, spec_overhead_ms=overhead))
+        for i in range(16):
+            train(ctl, i, 1 if i == 0 else 0, k=1)  # only sequence 0's drafts land
+        return [o.k for o in ctl.choose(cands)]
+
+    assert ks(0.0) == [1] + [0] * 15
+    assert ks(6.0) == [0] * 16
+
+
+def test_cost_model_learns_the_price_of_speculating_from_speculative_steps_only():
+    cost = StepCostModel({1: 10.0, 16: 40.0}, alpha=0.5)
+    for _ in range(30):
+        cost.observe(8, [], cost.step_ms(8))  # plain steps as predicted: no correction
+        cost.observe(9, [], cost.step_ms(9) + 3.0, speculative=True)
+    assert cost.spec_overhead_ms == pytest.approx(3.0, rel=1e-3)
+    assert cost.step_ms(8) == pytest.approx(StepCostModel({1: 10.0, 16: 40.0}).step_ms(8))
+    assert cost.as_dict()["spec_overhead_ms"] == pytest.approx(3.0, rel=1e-3)
