@@ -137,21 +137,6 @@ class FinishedStep:
                 yield s, out, row
 
 
-def unseen_by_chain_drafter(finished: FinishedStep) -> list[CatchUp]:
-    """The tokens a drafter that ran its own chain has not seen: from the step's first token,
-    except on a speculative step, where the drafter already ran drafts 1..k-1 through its state
-    while proposing (the accepted ones are valid there): from the first token it has not run,
-    the recovered token, or the last draft (if all were accepted) and the bonus."""
-    updates = []
-    for s, out, _ in finished.followed():
-        known = s.token_ids + out.token_ids  # from position s.start_pos on
-        skip = 1 + min(out.num_accepted, out.num_drafts - 1) if out.num_drafts else 0
-        # Elsewhere the step's input token is fed again (an identical KV rewrite) so that
-        # prefill chunks, plain decodes and recomputes after preemption share one rule.
-        updates.append(CatchUp(s.seq_id, s.start_pos + skip, known[skip:], s.page_table))
-    return updates
-
-
 class Proposer(Protocol):
     name: str
     state_on_host: bool  # no model: catch_up and release run at once on the host thread

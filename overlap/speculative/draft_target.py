@@ -7,7 +7,7 @@ scheduler allocates once per sequence for both). Stages (docs/architecture.md §
   propose: a chain of k drafts per sequence (base.DraftLayout.chains); the first comes from the
       carried logits, then the draft runs k-1 times;
   after verification: the draft runs once over the tokens it has not seen (the last draft
-      if every draft was accepted, and the recovered/bonus token; base.unseen_by_chain_drafter)
+      if every draft was accepted, and the recovered/bonus token: unseen_tokens)
       and carries new logits.
 The draft may score only part of the vocabulary (`vocab_ids`, the target's most frequent
 tokens, as in FR-Spec): q is then zero elsewhere, which the rejection sampler handles
@@ -24,8 +24,7 @@ from overlap.device import upload
 from overlap.graphs import GraphRunner
 from overlap.models.llama import LlamaModel, logits_linear
 from overlap.sampling import draw_draft
-from overlap.speculative.base import (CatchUp, DraftLayout, DraftRequest, FinishedStep, Proposal, Verified,
-                                      unseen_by_chain_drafter)
+from overlap.speculative.base import CatchUp, DraftLayout, DraftRequest, FinishedStep, Proposal, Verified
 
 
 class DraftModel:
@@ -125,7 +124,7 @@ class DraftTargetProposer:
         pass  # never asked for: the draft catches up after the sync
 
     def catch_up(self, finished: FinishedStep) -> None:
-        self.feed(unseen_by_chain_drafter(finished))
+        self.feed(unseen_tokens(finished))
 
     def feed(self, updates: list[CatchUp]) -> None:
         """Run the draft over each update's tokens (KV fill); carry the logits of the last."""
@@ -145,6 +144,21 @@ class DraftTargetProposer:
     def release(self, seq_ids: list[int]) -> None:
         for i in seq_ids:
             self.carried.pop(i, None)
+
+
+def unseen_tokens(finished: FinishedStep) -> list[CatchUp]:
+    """The tokens the draft model has not seen: from the step's first token, except on a
+    speculative step, where the draft already ran drafts 1..k-1 through its KV while
+    proposing (the accepted ones are valid there): from the first token it has not run, the
+    recovered token, or the last draft (if all were accepted) and the bonus."""
+    updates = []
+    for s, out, _ in finished.followed():
+        known = s.token_ids + out.token_ids  # from position s.start_pos on
+        skip = 1 + min(out.num_accepted, out.num_drafts - 1) if out.num_drafts else 0
+        # Elsewhere the step's input token is fed again (an identical KV rewrite) so that
+        # prefill chunks, plain decodes and recomputes after preemption share one rule.
+        updates.append(CatchUp(s.seq_id, s.start_pos + skip, known[skip:], s.page_table))
+    return updates
 
 
 def load_draft(draft_dir, target: LlamaModel) -> DraftModel:

@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 
 from overlap.batch import BatchPlan, SeqWork
-from overlap.speculative.base import DraftLayout, DraftRequest, FinishedStep, Proposal, Verified, \
-    unseen_by_chain_drafter
+from overlap.speculative.base import DraftLayout, DraftRequest, FinishedStep, Proposal, Verified
 
 
 def lookup(history: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -57,10 +56,12 @@ class NgramProposer:
         pass  # never asked for: the history catches up after the sync
 
     def catch_up(self, finished: FinishedStep) -> None:
-        for u in unseen_by_chain_drafter(finished):
-            hist = self.history.setdefault(u.seq_id, [])
-            del hist[u.start_pos:]  # a recompute after preemption restarts at 0
-            hist += u.new_tokens
+        # Every token from the step's first on, accepted drafts included: unlike a draft
+        # model, nothing ran the drafts through this history while proposing.
+        for s, out, _ in finished.followed():
+            hist = self.history.setdefault(s.seq_id, [])
+            del hist[s.start_pos:]  # a recompute after preemption restarts at 0
+            hist += s.token_ids + out.token_ids
 
     def release(self, seq_ids: list[int]) -> None:
         for i in seq_ids:
