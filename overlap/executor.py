@@ -13,9 +13,11 @@ The caller (engine or executor process) hands the step's output to the scheduler
 is the overlap the runtime is built around. With overlap off, `finish` also waits for the
 device to go idle, so planning starts only after the previous step has completed.
 
-A batch in which some decoding sequence asks for drafts is a speculative step: each sampled
+A batch in which some decoding sequence gets drafts is a speculative step: each sampled
 sequence verifies its own drafts (any number, 0 included) or tree in one target pass, beside
 prefill chunks and plain decodes; other batches sample one token per finishing sequence.
+The drafter describes its own share of the step (overlap/speculative/base.py: the rows it
+wants verified, their mask, its catch-up), so every drafter runs through the same path here.
 The drafter is built by overlap/speculative/build.py; the step timing is overlap/step_timing.py.
 """
 
@@ -38,10 +40,10 @@ from overlap.graphs import GraphRunner
 from overlap.kv import KVPool, slot_mapping
 from overlap.models.llama import LlamaModel
 from overlap.sampling import SamplingTensors, probabilities, sample
-from overlap.speculative.base import CatchUp, Proposal, Proposer
+from overlap.speculative.base import DraftLayout, DraftRequest, FinishedStep, Proposal, Proposer, TreeLayout, Verified
 from overlap.speculative.build import build_proposer
 from overlap.speculative.rejection import verify_chain, verify_greedy
-from overlap.speculative.tree import TreeShape, verify_tree
+from overlap.speculative.tree import verify_tree
 from overlap.step_timing import StepTiming, TimingTotals
 
 
@@ -60,27 +62,26 @@ class PreparedStep:
     logits_rows: torch.Tensor  # [S] i64: last row of every sequence that samples
     sampled: list[SeqWork]  # sequences that produce tokens, in logits_rows order
     sampling: SamplingTensors | None
-    spec_ks: list[int] | None  # drafts per sequence on a speculative step, else None
-    proposal: Proposal | None  # made on the host during prepare (host drafters)
-    tree: "TreeBatch | None" = None  # EAGLE steps: the trees being verified
+    spec_ks: list[int] | None  # drafts per sampled sequence on a speculative step, else None
+    layout: DraftLayout | None  # the proposer's description of the step (None: no proposer)
+    tree: "TreeBatch | None" = None  # tree steps: the trees being verified
     # Index tensors the launch needs, staged with the inputs (nothing in launch builds a
     # device tensor from Python data): end_pos [S] (where each sampled sequence's next token
     # sits), row_starts [B], sampled_starts [S] (each sampled sequence's last-token row);
-    # speculative steps also draft_rows, padded_draft, padded_all, num_drafts (see prepare).
+    # speculative steps also draft_rows, padded_draft, padded_all, num_drafts, and
+    # draft_tokens [S, W] when the proposer knew its drafts on the host (see prepare).
     index: dict[str, torch.Tensor] = field(default_factory=dict)
-    width: int = 0  # drafts per row of a speculative step's padded [B, K] layout
+    width: int = 0  # drafts per row of a speculative step's padded [S, W] layout
 
 
 @dataclass
 class TreeBatch:
-    slots: torch.Tensor  # [B, N+1] i64 KV slots of the rows [x_n, node_1..node_N]
-    parents: torch.Tensor  # [B, N] i64 (0 = root)
-    order: torch.Tensor  # [B, N] i64 index among siblings
+    slots: torch.Tensor  # [S, N+1] i64 KV slots of the rows [x_n, node_1..node_N]
+    parents: torch.Tensor  # [S, N] i64 (0 = root)
+    order: torch.Tensor  # [S, N] i64 index among siblings
     depth: int
     width: int  # children per node at most
-    nodes: torch.Tensor | None  # [B, N] i64 node tokens when known on the host (dynamic trees)
-    moved_rows: torch.Tensor  # [B, D] i64 flat rows the accepted path's depth 1..D moves to
-    tree_seqs: torch.Tensor  # [Bt] i64 which of the B sampled sequences verify a tree this step
+    moved_rows: torch.Tensor  # [S, D] i64 flat rows the accepted path's depth 1..D moves to
 
 
 @dataclass
@@ -89,8 +90,7 @@ class LaunchedStep:
     tokens: torch.Tensor  # [S, K+1] i64 produced tokens (padding past num_produced)
     num_accepted: torch.Tensor | None  # [S] i64 on speculative steps
     num_drafts: list[int]
-    hidden: torch.Tensor | None = None  # [T, H] the target's hidden states (drafters that read them)
-    drafter_done: bool = False  # the drafter's re-run already ran inside the launch (no-sync MTP)
+    hidden: torch.Tensor | None = None  # [T, H] the target's hidden states (when the layout keeps them)
 
     def device_results(self) -> tuple[torch.Tensor, ...]:
         if self.num_accepted is None:
@@ -165,9 +165,8 @@ class Executor:
         if self.scratch_page is None:
             return []
         runners = [self._runner(q, lazily=False) for q in sorted(set(q_lens))]
-        draft_runner = getattr(self.proposer, "step_runner", None)
-        if draft_runner is not None:
-            runners.append(draft_runner)
+        if self.proposer is not None:
+            runners += self.proposer.graph_runners()
         if require and self.streams.is_cuda:
             eager = [f"{r.name} q_len={r.q_len}: {r.eager_reason}" for r in runners if r.eager_reason]
             if eager:
@@ -243,11 +242,6 @@ class Executor:
         self.timing.add(StepTiming(prev.plan.step_id, busy, idle_in_step, idle_before, plan_s,
                                    min(plan_s, max(0.0, plan_s - idle_before))))
 
-    @property
-    def _reads_hidden(self) -> bool:
-        """The drafter needs the target's hidden states (kept from the launch for its catch-up)."""
-        return bool(getattr(self.proposer, "reads_hidden", False))
-
     def synchronize(self) -> None:
         self.streams.forward.synchronize()
 
@@ -260,66 +254,48 @@ class Executor:
             self._on_drafter_stream(lambda: self.proposer.release(plan.freed_seq_ids))
         sampled = [s for s in plan.seqs if s.sample]
         dev = self.device
-        # Sampling parameters go in this step's one staged copy (below); host drafters that
-        # propose now get them staged on their own.
-        sampling = None
-        # Drafts per sampled sequence. Only decode rows speculate, whatever else the batch
-        # carries (prefill chunks, sequences with speculation off sample one token each), so
-        # chains of different lengths, trees and plain rows share one verify pass.
+        # 1. Drafts per sampled sequence, as the scheduler asked. Only decode rows speculate,
+        #    whatever else the batch carries (prefill chunks, sequences with speculation off
+        #    sample one token each), so chains of different lengths, trees and plain rows
+        #    share one verify pass.
         ks = [s.num_spec_tokens if (self.proposer is not None and s.is_decode) else 0 for s in sampled]
-        tree = getattr(self.proposer, "tree", None)
-        if tree is not None:
-            # A tree is all or nothing: a sequence without room for every node (near
-            # max_tokens or the context end) decodes plainly this step, beside the trees.
-            ks = [self.proposer.num_nodes if k >= self.proposer.num_nodes else 0 for k in ks]
+        # 2. The proposer lays its step out: the rows it wants verified (it may grant fewer
+        #    than asked: a tree is all or nothing, n-gram finds fewer), their depths and mask,
+        #    the drafts it already knows on the host. A proposer that plans from device state
+        #    calls the wait it is given (EAGLE-2; the documented sync of dynamic trees).
+        layout = None if self.proposer is None else \
+            self.proposer.plan(plan, sampled, ks, self.streams.forward.synchronize)
+        ks = layout.num_drafts if layout is not None else ks
         spec = any(ks)
-        tree = tree if spec else None
-        proposal = None
-        dynamic: dict[int, object] = {}  # sampled index → its EAGLE-2 tree
-        if tree is not None and hasattr(self.proposer, "expand"):
-            # EAGLE-2's shape depends on the head's outputs, and the verify rows' positions and
-            # mask are laid out here: wait for the previous catch-up (it carries the logits to
-            # expand) and build the trees now. The documented syncs of dynamic trees.
-            self.streams.forward.synchronize()
-            grown = [i for i, k in enumerate(ks) if k]
-            dynamic = dict(zip(grown, self.proposer.expand([sampled[i] for i in grown])))
-        if spec and self.proposer.on_host:  # on_host proposers fill Proposal.host_tokens
-            # Host drafters (n-gram) propose now, so the verify pass is sized to the drafts
-            # they actually found, and a step where none are found is a plain decode.
-            sampling = SamplingTensors.from_seqs(sampled, dev) if sampled else None
-            proposal = self.proposer.propose(sampled, ks, sampling)
-            ks = proposal.num_drafts
-            spec = any(ks)
+        tree = layout.tree if spec else None
+        # 3. The flat rows of the step.
         ids: list[int] = []
         positions: list[int] = []
         attn: list[SeqAttention] = []
         rows: list[int] = []
         row_starts: list[int] = []
         sampled_starts: list[int] = []  # first row of each sampled sequence's verify block
-        draft_rows: list[int] = []  # flat rows of device drafters' chain drafts, or of tree nodes
+        draft_rows: list[int] = []  # flat rows of the drafts (chain drafts or tree nodes)
         j = 0  # index among sampled sequences
         for s in plan.seqs:
             row_starts.append(len(ids))
             k = ks[j] if s.sample else 0
-            # A sequence's rows: its tokens, then its drafts ([last token, d_1..d_k]) or tree
-            # nodes ([x_n, node_1..node_N]); device drafters' tokens are filled in by launch().
+            # A sequence's rows: its tokens, then its drafts ([x_n, d_1..d_k], or a tree's
+            # [x_n, node_1..node_N]) at the depths the layout gives, under its mask (a tree's;
+            # else causal). Drafts not known on the host yet are filled in by launch().
             if not k:
                 drafts = []
-            elif tree is not None:
-                drafts = dynamic[j].tokens if dynamic else [0] * k
+            elif layout.tokens is not None:
+                drafts = layout.tokens[j]
             else:
-                drafts = proposal.host_tokens[j] if proposal is not None else [0] * k
+                drafts = [0] * k
             q_len = len(s.token_ids) + len(drafts)
             ids += s.token_ids + drafts
-            if tree is not None and drafts:
-                # [x_n, node_1..node_N] at positions n + depth, each row sees its ancestors.
-                depths = [0] + dynamic[j].depths if dynamic else self.proposer.verify_depths
-                mask = dynamic[j].mask if dynamic else self.proposer.verify_mask
-                positions += [s.start_pos + d for d in depths]
-                attn.append(SeqAttention(q_len, s.start_pos + q_len, s.page_table, mask))
-            else:
-                positions += range(s.start_pos, s.start_pos + q_len)
-                attn.append(SeqAttention(q_len=q_len, kv_len=s.start_pos + q_len, page_table=s.page_table))
+            positions += range(s.start_pos, s.end_pos)
+            if drafts:
+                positions += [s.end_pos - 1 + d for d in layout.depths[j]]
+            mask = tree.masks[j] if tree is not None and drafts else None
+            attn.append(SeqAttention(q_len, s.start_pos + q_len, s.page_table, mask))
             if s.sample:
                 # The last token's row and every draft's: logits for the verify block.
                 sampled_starts.append(len(ids) - 1 - len(drafts))
@@ -329,32 +305,31 @@ class Executor:
         q_lens = {a.q_len for a in attn}
         uniform = q_lens.pop() if len(q_lens) == 1 and plan.is_decode_only and tree is None else None
         graphed = self.scratch_page is not None and uniform is not None
-        # Everything the device reads this step, staged in ONE pinned buffer and copied
-        # without blocking (on the forward stream: submit prepares under `issuing()`).
+        # 4. Everything the device reads this step, staged in ONE pinned buffer and copied
+        #    without blocking (on the forward stream: submit prepares under `issuing()`).
         arrays: dict[str, tuple[object, torch.dtype]] = {
             "ids": (ids, torch.long), "positions": (positions, torch.long), "logits_rows": (rows, torch.long),
             "end_pos": ([s.end_pos for s in sampled], torch.long), "row_starts": (row_starts, torch.long),
             "sampled_starts": (sampled_starts, torch.long)}
         width = 0
         if spec:
-            # Where each verify row goes in the padded [S, W+1] layout (W: the widest chain,
-            # or the tree's nodes), and each sampled sequence's draft count.
-            width = self.proposer.num_nodes if tree is not None else \
-                (proposal.tokens.shape[1] if proposal is not None else max(ks))
+            # Where each verify row goes in the padded [S, W+1] layout (W: the layout's width,
+            # the widest chain asked for or the tree's nodes), and each sequence's draft count.
+            width = layout.width
             padded_all, padded_draft = [], []
             for i, k in enumerate(ks):
                 padded_draft += range(i * width, i * width + k)
                 padded_all += range(i * (width + 1), i * (width + 1) + k + 1)
             arrays.update(draft_rows=(draft_rows, torch.long), padded_draft=(padded_draft, torch.long),
                           padded_all=(padded_all, torch.long), num_drafts=(list(ks), torch.long))
+            if layout.tokens is not None:  # the host's drafts, [S, W] for propose() and verification
+                arrays["draft_tokens"] = ([t + [0] * (width - len(t)) for t in layout.tokens], torch.long)
         if tree is not None:
-            arrays.update(self._tree_arrays(plan, sampled, ks, sampled_starts, dynamic, tree))
+            arrays.update(self._tree_arrays(sampled, ks, sampled_starts, tree, width))
         names = list(arrays)
-        host_sampling = SamplingTensors.host_arrays(sampled) if sampled and sampling is None else []
+        host_sampling = SamplingTensors.host_arrays(sampled) if sampled else []
         staged = upload(dev, *arrays.values(), *host_sampling)
         index = dict(zip(names, staged))
-        if host_sampling:
-            sampling = SamplingTensors.from_staged(sampled, staged[len(names):])
         return PreparedStep(
             plan=plan,
             input_ids=index.pop("ids"),
@@ -366,25 +341,25 @@ class Executor:
             q_len=uniform if graphed else None,
             logits_rows=index.pop("logits_rows"),
             sampled=sampled,
-            sampling=sampling,
+            sampling=SamplingTensors.from_staged(sampled, staged[len(names):]) if sampled else None,
             spec_ks=ks if spec else None,
-            tree=self._tree_batch(index, bool(dynamic), tree) if tree is not None else None,
-            proposal=proposal if spec else None,
+            layout=layout,
+            tree=self._tree_batch(index, tree) if tree is not None else None,
             index=index,
             width=width,
         )
 
-    def _tree_arrays(self, plan: BatchPlan, sampled: list[SeqWork], ks: list[int], starts: list[int],
-                     dynamic: dict, tree: TreeShape) -> dict[str, tuple[object, torch.dtype]]:
+    def _tree_arrays(self, sampled: list[SeqWork], ks: list[int], starts: list[int], tree: TreeLayout,
+                     n: int) -> dict[str, tuple[object, torch.dtype]]:
         """The tree step's host-side layout, per sampled sequence ([S, ...] rows): its nodes'
         parents and sibling order, KV slots, and where the accepted path's rows move to.
         A sequence that decodes plainly beside the trees gets a tree nobody can enter (every
         node its own parent, so the root has no children: verify_tree draws its one token
         from p, as plain sampling does), and slots and moves that point at its own row only
         (self-copies), so the whole step stays one set of [S, ...] tensors."""
-        n, depth = self.proposer.num_nodes, self.proposer.depth
+        depth = tree.depth
         closed = list(range(1, n + 1)), [0] * n
-        parents, order, slots, moved_rows, tree_rows = [], [], [], [], []
+        parents, order, slots, moved_rows = [], [], [], []
         for j, (s, k) in enumerate(zip(sampled, ks)):
             row = starts[j]
             last_slot = slot_mapping(s.page_table, s.end_pos - 1, s.end_pos, self.kv.page_size)
@@ -394,33 +369,21 @@ class Executor:
                 slots.append(last_slot * (n + 1))
                 moved_rows.append([row] * depth)
                 continue
-            tree_rows.append(j)
-            if j in dynamic:
-                parents.append(dynamic[j].parents)
-                order.append(dynamic[j].order)
-            else:
-                parents.append(tree.parents())
-                order.append(tree.sibling_order())
+            parents.append(tree.parents[j])
+            order.append(tree.order[j])
             slots.append(slot_mapping(s.page_table, s.start_pos, s.start_pos + 1 + n, self.kv.page_size))
             moved_rows.append(list(range(row + 1, row + 1 + depth)))
-        arrays = {"tree_parents": (parents, torch.long), "tree_order": (order, torch.long),
-                  "tree_slots": (slots, torch.long), "tree_moved_rows": (moved_rows, torch.long),
-                  "tree_sampled": (tree_rows, torch.long)}
-        if dynamic:
-            arrays["tree_tokens"] = ([dynamic[j].tokens if j in dynamic else [0] * n for j in range(len(sampled))],
-                                     torch.long)
-        return arrays
+        return {"tree_parents": (parents, torch.long), "tree_order": (order, torch.long),
+                "tree_slots": (slots, torch.long), "tree_moved_rows": (moved_rows, torch.long)}
 
-    def _tree_batch(self, index: dict[str, torch.Tensor], dynamic: bool, tree: TreeShape) -> TreeBatch:
-        width = self.proposer.topk if dynamic else tree.max_children()
+    def _tree_batch(self, index: dict[str, torch.Tensor], tree: TreeLayout) -> TreeBatch:
         return TreeBatch(index.pop("tree_slots"), index.pop("tree_parents"), index.pop("tree_order"),
-                         self.proposer.depth, width, index.pop("tree_tokens") if dynamic else None,
-                         index.pop("tree_moved_rows"), index.pop("tree_sampled"))
+                         tree.depth, tree.max_children, index.pop("tree_moved_rows"))
 
     def _on_drafter_stream(self, fn) -> None:
         # A model drafter's state (KV, carried logits) is only touched by work on the forward
         # stream, in order; a host drafter's state lives on the host.
-        if self.proposer.on_host:
+        if self.proposer.state_on_host:
             fn()
         else:
             self.streams.forward.submit(fn)
@@ -442,103 +405,90 @@ class Executor:
             self.streams.start_copy(copy, into.device_results())
 
     def _launch(self, step: PreparedStep, into: LaunchedStep, copy: HostCopy | None) -> None:
-        if step.tree is not None:
-            self._launch_tree(step, into, copy)
-            return
         if step.spec_ks is not None:
             self._launch_speculative(step, into, copy)
             return
         hidden, logits = self._target_forward(step, step.input_ids)
-        keep = hidden if self._reads_hidden else None
+        keep = hidden if step.layout is not None and step.layout.keep_hidden else None
         if step.sampling is None:
             launched = LaunchedStep(step, torch.empty(0, 1, dtype=torch.long, device=self.device), None, [], keep)
         else:
             launched = LaunchedStep(step, sample(logits, step.sampling, step.index["end_pos"])[:, None], None, [], keep)
         self._publish(into, launched, copy)
 
-    def _launch_tree(self, step: PreparedStep, into: LaunchedStep, copy: HostCopy | None) -> None:
-        """EAGLE: draft the trees, verify every node in one target pass with the tree masks
-        (plain rows beside them), walk them (tree.py), move each accepted path's KV and hidden
-        states into place; the head re-runs in catch-up."""
-        seqs, st, proposer, tb, index = step.sampled, step.sampling, self.proposer, step.tree, step.index
-        b, n, depth, dev = len(seqs), proposer.num_nodes, tb.depth, self.device
-        # Stage 2: the trees' tokens, into rows 1..N of each tree's [x_n, nodes] block (a
-        # dynamic tree's are already there: it was built while preparing).
-        if tb.nodes is not None:
-            nodes = tb.nodes  # [B, N]
-            ids = step.input_ids
-        else:
-            grown = [seqs[i] for i, k in enumerate(step.spec_ks) if k]
-            grown_nodes = proposer.propose_tree(grown)  # [Bt, N]
-            nodes = torch.zeros(b, n, dtype=torch.long, device=dev).index_copy(0, tb.tree_seqs, grown_nodes)
-            ids = step.input_ids.clone()
-            ids[index["draft_rows"]] = grown_nodes.reshape(-1)
-        # Stage 3: one target pass over every row; p after each tree's root and nodes (and
-        # the one row of a plain sequence), padded to [B, N+1].
+    def _launch_speculative(self, step: PreparedStep, into: LaunchedStep, copy: HostCopy | None) -> None:
+        """Stages 2-4, one path for every drafter: draft, verify every sequence's rows in one
+        target pass (chains, or trees under their masks, beside plain rows), and the proposer's
+        catch-up right here when its layout asks for it."""
+        seqs, ks, st, layout, index = step.sampled, step.spec_ks, step.sampling, step.layout, step.index
+        # Stage 2: draft (a host drafter's drafts are staged already; propose hands them back).
+        proposal = self.proposer.propose(DraftRequest(seqs, layout, st, index.get("draft_tokens")))
+        if proposal.tokens.shape[1] != step.width:
+            raise RuntimeError(f"the drafter proposed {proposal.tokens.shape[1]} drafts per row; "
+                               f"the step was prepared for {step.width}")
+        ids = step.input_ids
+        if layout.tokens is None:
+            ids = ids.clone()
+            ids[index["draft_rows"]] = proposal.tokens.view(-1)[index["padded_draft"]]
+        # Stage 3: one target pass over every row (q_len = k+1 per chain, N+1 per tree).
         hidden, logits = self._target_forward(step, ids)
+        # Stage 4 (recovered / bonus token) happens inside verification.
+        if step.tree is None:
+            tokens, accepted = self._verify_chains(step, logits, proposal)
+            num_drafts = list(ks)
+        else:
+            tokens, accepted, hidden = self._verify_trees(step, logits, hidden, proposal.tokens)
+            # A tree reports its depth: the most drafts one path of it can have accepted.
+            num_drafts = [step.tree.depth if k else 0 for k in ks]
+        launched = LaunchedStep(step, tokens, accepted, num_drafts, hidden if layout.keep_hidden else None)
+        self._publish(into, launched, copy)  # the host waits only for this copy
+        if layout.catches_up_in_launch:
+            # The drafter's catch-up, queued right here behind verification with the verify
+            # pass's own batch info; no host sync in between (MTP k = 1: speculative/mtp.py).
+            meta = step.meta if step.meta is not None else \
+                self.backend.plan(step.attn, self.kv.page_size, *self._attn_dims)
+            self.proposer.after_verify(Verified(seqs, tokens, accepted, hidden, step.positions, self.backend, meta))
+
+    def _verify_chains(self, step: PreparedStep, logits: torch.Tensor,
+                       proposal: Proposal) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [rows, V] f32 of the verify blocks → (tokens [S, W+1] i64, num_accepted [S] i64)."""
+        b, width, st, index = len(step.sampled), step.width, step.sampling, step.index
+        padded_rows = index["padded_all"]
+        # Drafters may find fewer drafts than the width (n-gram); verify what they proposed.
+        num_drafts = index["num_drafts"]
+        if st.all_greedy:  # argmax compare: no [S, W+1, V] probabilities
+            best = torch.zeros(b * (width + 1), dtype=torch.long, device=self.device)
+            best[padded_rows] = logits.argmax(-1)
+            return verify_greedy(best.view(b, width + 1), proposal.tokens, num_drafts)
+        padded = torch.zeros(b * (width + 1), logits.shape[-1], device=self.device)
+        padded[padded_rows] = logits
+        p = probabilities(padded, st.repeat_rows(width + 1)).view(b, width + 1, -1)
+        return verify_chain(p, proposal.probs, proposal.tokens, num_drafts, st.seed, index["end_pos"])
+
+    def _verify_trees(self, step: PreparedStep, logits: torch.Tensor, hidden: torch.Tensor,
+                      nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Walk the trees (tree.py), then move each accepted path's KV and hidden states into
+        place, as a chain's would be. logits [rows, V] f32, hidden [T, H], nodes [S, N] i64 →
+        (tokens [S, D+1] i64, num_accepted [S] i64, the moved hidden states [T, H])."""
+        st, tb, index = step.sampling, step.tree, step.index
+        b, n, depth, dev = len(step.sampled), step.width, tb.depth, self.device
+        # p after each tree's root and nodes (and the one row of a plain sequence), [S, N+1].
         padded = torch.zeros(b * (n + 1), logits.shape[-1], device=dev)
         padded[index["padded_all"]] = logits
         p = probabilities(padded, st.repeat_rows(n + 1)).view(b, n + 1, -1)
         tokens, accepted, path = verify_tree(p, nodes, tb.parents, tb.order, depth, tb.width, st.seed,
                                              index["end_pos"])
         # Compaction: the node at depth i of the accepted path moves to slot n + i (KV) and
-        # to row i of the sequence's block (the hidden states the head's catch-up reads).
-        keep = torch.arange(depth, device=dev)[None, :] < accepted[:, None]  # [B, D]
-        slots = tb.slots  # [B, N+1]
+        # to row i of the sequence's block (the hidden states the drafter's catch-up reads).
+        keep = torch.arange(depth, device=dev)[None, :] < accepted[:, None]  # [S, D]
+        slots = tb.slots  # [S, N+1]
         dst = slots[:, 1:depth + 1]
         self.kv.copy_slots(torch.where(keep, slots.gather(1, path), dst).reshape(-1), dst.reshape(-1))
         starts = index["sampled_starts"]
         src_rows = torch.where(keep, starts[:, None] + path, tb.moved_rows)
         moved = hidden.clone()
         moved[tb.moved_rows.reshape(-1)] = hidden[src_rows.reshape(-1)]
-        launched = LaunchedStep(step, tokens, accepted, [depth if k else 0 for k in step.spec_ks],
-                                moved if self._reads_hidden else None)
-        self._publish(into, launched, copy)
-
-    def _launch_speculative(self, step: PreparedStep, into: LaunchedStep, copy: HostCopy | None) -> None:
-        seqs, ks, st = step.sampled, step.spec_ks, step.sampling
-        b, dev = len(seqs), self.device
-        # Stage 2: draft (host drafters already did, in prepare).
-        proposal = step.proposal or self.proposer.propose(seqs, ks, st)
-        width, index = proposal.tokens.shape[1], step.index
-        if width != step.width:
-            raise RuntimeError(f"the drafter proposed {width} drafts per row; the step was prepared for {step.width}")
-        ids = step.input_ids
-        if step.proposal is None:
-            ids = ids.clone()
-            ids[index["draft_rows"]] = proposal.tokens.view(-1)[index["padded_draft"]]
-        # Stage 3: verify all drafts in one target pass (q_len = k+1 per sequence).
-        hidden, logits = self._target_forward(step, ids)
-        padded_rows = index["padded_all"]
-        # Drafters may find fewer drafts than reserved (n-gram); verify what they proposed.
-        num_drafts = index["num_drafts"]
-        # Stage 4 (recovered / bonus token) happens inside verification.
-        if st.all_greedy:  # argmax compare: no [B, K+1, V] probabilities
-            best = torch.zeros(b * (width + 1), dtype=torch.long, device=dev)
-            best[padded_rows] = logits.argmax(-1)
-            tokens, accepted = verify_greedy(best.view(b, width + 1), proposal.tokens, num_drafts)
-        else:
-            padded = torch.zeros(b * (width + 1), logits.shape[-1], device=dev)
-            padded[padded_rows] = logits
-            p = probabilities(padded, st.repeat_rows(width + 1)).view(b, width + 1, -1)
-            tokens, accepted = verify_chain(p, proposal.probs, proposal.tokens, num_drafts, st.seed,
-                                            index["end_pos"])
-        launched = LaunchedStep(step, tokens, accepted, proposal.num_drafts,
-                                hidden if self._reads_hidden else None)
-        # Decided before the ids are published: the host's catch-up must know to skip it.
-        into.drafter_done = self._no_sync_rerun(step)
-        self._publish(into, launched, copy)  # the host waits only for this copy
-        if into.drafter_done:
-            # MTP k = 1: the head's re-run is queued right here, behind verification, with the
-            # verify pass's own batch info; no host sync in between (overlap/speculative/mtp.py).
-            meta = step.meta if step.meta is not None else \
-                self.backend.plan(step.attn, self.kv.page_size, *self._attn_dims)
-            self.proposer.rerun_fixed([s.seq_id for s in seqs], tokens, accepted, hidden, step.positions,
-                                      self.backend, meta)
-
-    def _no_sync_rerun(self, step: PreparedStep) -> bool:
-        return (hasattr(self.proposer, "rerun_fixed") and all(k == 1 for k in step.spec_ks)
-                and step.plan.is_decode_only and len(step.sampled) == len(step.plan.seqs))
+        return tokens, accepted, moved
 
     def _target_forward(self, step: PreparedStep, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The target forward → (hidden [T, H], logits [len(logits_rows), V] f32), through a
@@ -566,44 +516,18 @@ class Executor:
         plan = launched.prepared.plan
         return StepOutput(plan.step_id, [outputs.get(s.seq_id, SeqOutput(s.seq_id, [])) for s in plan.seqs])
 
-    # 4. drafter KV fill
-    def catch_up(self, plan: BatchPlan, output: StepOutput, work: LaunchedStep | None = None) -> None:
-        """Feed the drafter the tokens it has not seen: prompt chunks and produced tokens."""
-        if self.proposer is None or (work is not None and work.drafter_done):
-            return
-        if self._reads_hidden:
-            self._catch_up_with_hidden(plan, output, work)
-            return
-        updates = []
-        for s, out in zip(plan.seqs, output.seqs):
-            if not s.draft:
-                continue
-            known = s.token_ids + out.token_ids  # from position s.start_pos on
-            skip = 0
-            if out.num_drafts:
-                # The drafter ran its own drafts 1..k-1 through its KV while proposing; the
-                # accepted ones are valid there. Feed from the first token it has not run:
-                # the recovered token, or the last draft (if all were accepted) + the bonus.
-                skip = 1 + min(out.num_accepted, out.num_drafts - 1)
-            # Elsewhere the step's input token is fed again (an identical KV rewrite) so that
-            # prefill chunks, plain decodes and recomputes after preemption share one rule.
-            updates.append(CatchUp(s.seq_id, s.start_pos + skip, known[skip:], s.page_table))
-        self._on_drafter_stream(lambda: self.proposer.catch_up(updates))
-
-    def _catch_up_with_hidden(self, plan: BatchPlan, output: StepOutput, work: LaunchedStep) -> None:
-        """MTP: every verified row is re-run with the target's hidden states of this step."""
-        rows = []  # (seq, known tokens, first hidden row, number of verified hidden rows)
-        for i, (s, out) in enumerate(zip(plan.seqs, output.seqs)):
-            if s.draft:
-                verified = len(s.token_ids) + (out.num_accepted if out.num_drafts else 0)
-                rows.append((s, s.token_ids + out.token_ids, work.prepared.row_starts[i], verified))
-
-        def run() -> None:
-            # On the stream: `work.hidden` exists once the launch has run.
-            self.proposer.catch_up([CatchUp(s.seq_id, s.start_pos, known, s.page_table, work.hidden[r:r + n])
-                                    for s, known, r, n in rows])
-
-        self._on_drafter_stream(run)
+    # 4. drafter catch-up
+    def catch_up(self, plan: BatchPlan, output: StepOutput, work: LaunchedStep) -> None:
+        """Hand the proposer the step's facts; it feeds its drafter the tokens it has not seen
+        (prompt chunks, produced tokens) by its own rule, on the forward stream."""
+        layout = work.prepared.layout
+        if layout is None or layout.catches_up_in_launch:
+            return  # no drafter, or it caught up inside the launch
+        row_starts = work.prepared.row_starts
+        # `work.hidden` exists once the launch has run: read it from the stream (a host
+        # drafter keeps none).
+        self._on_drafter_stream(lambda: self.proposer.catch_up(
+            FinishedStep(plan.seqs, output.seqs, row_starts, work.hidden)))
 
 
 def build_executor(config: EngineConfig, model: LlamaModel) -> Executor:

@@ -245,8 +245,7 @@ class SharedProposals:
 
         # vocab 0: no q tensor (one-hot drafts at the tokens, or greedy drafts)
         vocab = 0 if proposal.probs is None else proposal.probs.shape[-1]
-        meta = torch.tensor([*proposal.tokens.shape, vocab, *proposal.num_drafts], dtype=torch.long)
-        dist.broadcast(torch.tensor([meta.numel()], dtype=torch.long), src=0, group=self.group)
+        meta = torch.tensor([*proposal.tokens.shape, vocab], dtype=torch.long)
         dist.broadcast(meta, src=0, group=self.group)
         # Through host memory (the drafts group is gloo): on a GPU this copy is a sync of the
         # draft step, the price of running the draft on one rank only.
@@ -254,55 +253,75 @@ class SharedProposals:
         if proposal.probs is not None:
             dist.broadcast(proposal.probs.cpu().contiguous(), src=0, group=self.group)
         self.bytes_sent += meta.numel() * 8 + proposal.tokens.numel() * 8 + vocab * proposal.tokens.numel() * 4
-        return Proposal(proposal.tokens, proposal.probs, proposal.num_drafts)
+        return Proposal(proposal.tokens, proposal.probs)
 
     def receive(self):
         from overlap.speculative.base import Proposal
 
-        n = torch.zeros(1, dtype=torch.long)
-        dist.broadcast(n, src=0, group=self.group)
-        meta = torch.zeros(int(n.item()), dtype=torch.long)
+        meta = torch.zeros(3, dtype=torch.long)
         dist.broadcast(meta, src=0, group=self.group)
-        b, k, vocab = meta[:3].tolist()
+        b, k, vocab = meta.tolist()
         tokens = torch.zeros(b, k, dtype=torch.long)
         probs = torch.zeros(b, k, vocab) if vocab else None
         dist.broadcast(tokens, src=0, group=self.group)
         if probs is not None:
             dist.broadcast(probs, src=0, group=self.group)
-        return Proposal(tokens, probs, meta[3:].tolist())
+        return Proposal(tokens, probs)
 
 
 class LeaderProposer:
-    """Rank 0's drafter: proposes, then shares the proposal with the other ranks."""
+    """Rank 0's drafter: plans and proposes, then shares the proposal with the other ranks."""
 
     def __init__(self, inner, channel: SharedProposals):
         self.inner, self.channel = inner, channel
-        self.name, self.on_host, self.reads_hidden = inner.name, inner.on_host, inner.reads_hidden
+        self.name, self.state_on_host = inner.name, inner.state_on_host
 
-    def propose(self, seqs, ks, sampling):
-        return self.channel.share(self.inner.propose(seqs, ks, sampling))
+    def graph_runners(self) -> list:
+        return self.inner.graph_runners()
 
-    def catch_up(self, updates) -> None:
-        self.inner.catch_up(updates)
+    def plan(self, batch, sampled, ks, wait):
+        return self.inner.plan(batch, sampled, ks, wait)
+
+    def propose(self, request):
+        return self.channel.share(self.inner.propose(request))
+
+    def after_verify(self, verified) -> None:
+        self.inner.after_verify(verified)
+
+    def catch_up(self, finished) -> None:
+        self.inner.catch_up(finished)
 
     def release(self, seq_ids) -> None:
         self.inner.release(seq_ids)
 
 
 class FollowerProposer:
-    """Ranks > 0: the leader's drafts, received; nothing to catch up on."""
+    """Ranks > 0: the leader's drafts, received; nothing to catch up on. The leader's drafter
+    (a draft model) lays out chains of the ks asked for, and so does this one."""
 
-    name, on_host, reads_hidden = "remote", False, False
+    name, state_on_host = "remote", False
 
     def __init__(self, channel: SharedProposals):
         self.channel = channel
 
-    def propose(self, seqs, ks, sampling):
-        proposal = self.channel.receive()
-        probs = None if proposal.probs is None else proposal.probs.to(sampling.seed.device)
-        return type(proposal)(proposal.tokens.to(sampling.seed.device), probs, proposal.num_drafts)
+    def graph_runners(self) -> list:
+        return []
 
-    def catch_up(self, updates) -> None:
+    def plan(self, batch, sampled, ks, wait):
+        from overlap.speculative.base import DraftLayout
+
+        return DraftLayout.chains(ks)
+
+    def propose(self, request):
+        proposal = self.channel.receive()
+        device = request.sampling.seed.device
+        probs = None if proposal.probs is None else proposal.probs.to(device)
+        return type(proposal)(proposal.tokens.to(device), probs)
+
+    def after_verify(self, verified) -> None:
+        pass
+
+    def catch_up(self, finished) -> None:
         pass
 
     def release(self, seq_ids) -> None:

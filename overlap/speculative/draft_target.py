@@ -4,9 +4,11 @@ The draft has its own KV pool, indexed by the SAME page tables as the target's (
 scheduler allocates once per sequence for both). Stages (docs/architecture.md §3):
   prefill / plain steps: after the target, the draft catches up on the step's tokens, the
       sampled one included, and its last logits are carried to the next step;
-  propose: the first draft comes from the carried logits; the draft then runs k-1 times;
+  propose: a chain of k drafts per sequence (base.DraftLayout.chains); the first comes from the
+      carried logits, then the draft runs k-1 times;
   after verification: the draft runs once over the tokens it has not seen (the last draft
-      if every draft was accepted, and the recovered/bonus token) and carries new logits.
+      if every draft was accepted, and the recovered/bonus token: unseen_tokens)
+      and carries new logits.
 The draft may score only part of the vocabulary (`vocab_ids`, the target's most frequent
 tokens, as in FR-Spec): q is then zero elsewhere, which the rejection sampler handles
 losslessly, and the draft's lm_head costs a fraction of the target's.
@@ -17,12 +19,12 @@ from __future__ import annotations
 import torch
 
 from overlap.attention.base import AttentionBackend, SeqAttention
-from overlap.batch import SeqWork
+from overlap.batch import BatchPlan, SeqWork
 from overlap.device import upload
 from overlap.graphs import GraphRunner
 from overlap.models.llama import LlamaModel, logits_linear
-from overlap.sampling import SamplingTensors, draw_draft
-from overlap.speculative.base import CatchUp, Proposal
+from overlap.sampling import draw_draft
+from overlap.speculative.base import CatchUp, DraftLayout, DraftRequest, FinishedStep, Proposal, Verified
 
 
 class DraftModel:
@@ -48,8 +50,7 @@ class DraftModel:
 
 class DraftTargetProposer:
     name = "draft"
-    on_host = False
-    reads_hidden = False
+    state_on_host = False
 
     def __init__(self, draft: DraftModel, backend: AttentionBackend, num_pages: int, page_size: int,
                  scratch_page: int | None = None):
@@ -81,8 +82,16 @@ class DraftTargetProposer:
         rows = torch.arange(len(attn), device=ids.device)
         return self.step_runner.forward(ids, pos, attn, rows)[1]
 
-    def propose(self, seqs: list[SeqWork], ks: list[int], sampling: SamplingTensors) -> Proposal:
-        b, width = len(seqs), max(ks)
+    def graph_runners(self) -> list[GraphRunner]:
+        return [] if self.step_runner is None else [self.step_runner]
+
+    def plan(self, batch: BatchPlan, sampled: list[SeqWork], ks: list[int], wait) -> DraftLayout:
+        return DraftLayout.chains(ks)
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        """A chain of ks[i] drafts for sequence i, from the carried logits on."""
+        seqs, ks, sampling = request.seqs, request.layout.num_drafts, request.sampling
+        b, width = len(seqs), request.layout.width
         device = sampling.seed.device
         tokens = torch.zeros(b, width, dtype=torch.long, device=device)
         # q for sampled drafts; greedy drafts are one-hot at their tokens: None, no [B, K, V].
@@ -109,9 +118,16 @@ class DraftTargetProposer:
                 d, first = d[keep_t], first[keep_t]
             logits = self._step(d, [seqs[r].end_pos + i for r in rows_next], attn)
             rows = rows_next
-        return Proposal(tokens, probs, list(ks))
+        return Proposal(tokens, probs)
 
-    def catch_up(self, updates: list[CatchUp]) -> None:
+    def after_verify(self, verified: Verified) -> None:
+        pass  # never asked for: the draft catches up after the sync
+
+    def catch_up(self, finished: FinishedStep) -> None:
+        self.feed(unseen_tokens(finished))
+
+    def feed(self, updates: list[CatchUp]) -> None:
+        """Run the draft over each update's tokens (KV fill); carry the logits of the last."""
         if not updates:
             return
         ids, positions, attn, last = [], [], [], []
@@ -128,6 +144,21 @@ class DraftTargetProposer:
     def release(self, seq_ids: list[int]) -> None:
         for i in seq_ids:
             self.carried.pop(i, None)
+
+
+def unseen_tokens(finished: FinishedStep) -> list[CatchUp]:
+    """The tokens the draft model has not seen: from the step's first token, except on a
+    speculative step, where the draft already ran drafts 1..k-1 through its KV while
+    proposing (the accepted ones are valid there): from the first token it has not run, the
+    recovered token, or the last draft (if all were accepted) and the bonus."""
+    updates = []
+    for s, out, _ in finished.followed():
+        known = s.token_ids + out.token_ids  # from position s.start_pos on
+        skip = 1 + min(out.num_accepted, out.num_drafts - 1) if out.num_drafts else 0
+        # Elsewhere the step's input token is fed again (an identical KV rewrite) so that
+        # prefill chunks, plain decodes and recomputes after preemption share one rule.
+        updates.append(CatchUp(s.seq_id, s.start_pos + skip, known[skip:], s.page_table))
+    return updates
 
 
 def load_draft(draft_dir, target: LlamaModel) -> DraftModel:

@@ -15,7 +15,11 @@ x_n sits at position n:
   head expansion rows at slots n .. (internal nodes), positions n - 1 + depth.
 After verification the accepted path's target KV moves to slots n+1 .. n+a (tree.py returns
 the path; the executor compacts), and the head re-runs over the accepted rows with the
-target's hidden states (MTPProposer.catch_up), which overwrites its expansion rows.
+target's hidden states (HeadProposer.catch_up, as for MTP chains), which overwrites its
+expansion rows.
+
+A tree is all or nothing: a sequence without room for every node (near max_tokens or the
+context end) decodes plainly this step, beside the trees (`plan` grants it no drafts).
 """
 
 from __future__ import annotations
@@ -25,15 +29,17 @@ from dataclasses import dataclass
 import torch
 
 from overlap.attention.base import AttentionBackend, SeqAttention, tree_mask_from_parents
-from overlap.batch import SeqWork
+from overlap.batch import BatchPlan, SeqWork
 from overlap.device import upload
 from overlap.models.heads import MTPHead
-from overlap.sampling import SamplingTensors
-from overlap.speculative.mtp import MTPProposer
+from overlap.speculative.base import DraftLayout, DraftRequest, Proposal, TreeLayout, Verified
+from overlap.speculative.head_proposer import HeadProposer
 from overlap.speculative.tree import TreeShape
 
 
-class EagleProposer(MTPProposer):
+class EagleProposer(HeadProposer):
+    """A fixed tree shape for every sequence; its tokens are drafted on the device (stage 2)."""
+
     name = "eagle"
 
     def __init__(self, head: MTPHead, backend: AttentionBackend, num_pages: int, page_size: int,
@@ -46,9 +52,28 @@ class EagleProposer(MTPProposer):
         has_children = set(parents)
         self.internal = [i for i in range(1, shape.size + 1) if i in has_children]
         self.node_parents, self.node_depths = parents, depths
+        self.sibling_order = shape.sibling_order()
         # Verification mask over [root, nodes]: each row sees the root and its ancestors.
         self.verify_mask = tree_mask_from_parents([-1] + parents)
-        self.verify_depths = [0] + depths
+
+    def plan(self, batch: BatchPlan, sampled: list[SeqWork], ks: list[int], wait) -> DraftLayout:
+        grows = [k >= self.num_nodes for k in ks]  # all or nothing (module doc)
+        tree = TreeLayout([self.node_parents if g else None for g in grows],
+                          [self.sibling_order if g else None for g in grows],
+                          [self.verify_mask if g else None for g in grows], self.depth, self.tree.max_children())
+        return DraftLayout([self.num_nodes if g else 0 for g in grows], self.num_nodes,
+                           [self.node_depths if g else [] for g in grows], tree, keep_hidden=True)
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        """→ node tokens [S, N] (zeros for the sequences that grow no tree); q: one-hot."""
+        grown = [i for i, k in enumerate(request.layout.num_drafts) if k]
+        nodes = self.propose_tree([request.seqs[i] for i in grown])  # [Sg, N]
+        rows, = upload(nodes.device, (grown, torch.long))
+        tokens = torch.zeros(len(request.seqs), self.num_nodes, dtype=torch.long, device=nodes.device)
+        return Proposal(tokens.index_copy(0, rows, nodes), None)
+
+    def after_verify(self, verified: Verified) -> None:
+        pass  # never asked for: the head catches up after the sync
 
     def rows_for_level(self, level: int) -> tuple[list[int], torch.Tensor]:
         """The internal nodes of depth <= level and their [q, q] ancestor mask."""
@@ -58,7 +83,7 @@ class EagleProposer(MTPProposer):
         return rows, mask
 
     def propose_tree(self, seqs: list[SeqWork]) -> torch.Tensor:
-        """→ node tokens [B, N] i64 for every sequence (the same shape for all)."""
+        """→ node tokens [B, N] i64 for every sequence of `seqs` (the same shape for all)."""
         b = len(seqs)
         device = self.kv.k[0].device
         logits = torch.stack([self.carried[s.seq_id][0] for s in seqs])  # [B, V] root's head output
@@ -95,9 +120,6 @@ class EagleProposer(MTPProposer):
                 node_logits[r], node_hidden[r] = out_logits[:, j], out_hidden[:, j]
         return tokens[:, 1:]
 
-    def propose(self, seqs: list[SeqWork], ks: list[int], sampling: SamplingTensors):
-        raise RuntimeError("the EAGLE drafter proposes trees (propose_tree); the executor verifies them")
-
 
 @dataclass(frozen=True)
 class DynamicTree:
@@ -113,7 +135,7 @@ class DynamicTree:
         return tree_mask_from_parents([-1] + self.parents)
 
 
-class DynamicEagleProposer(EagleProposer):
+class DynamicEagleProposer(HeadProposer):
     """EAGLE-2 (Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with Dynamic
     Draft Trees"): the tree's shape follows the head's confidence. Each level expands the
     `topk` nodes with the highest cumulative draft log-probability (each into its `topk`
@@ -122,21 +144,43 @@ class DynamicEagleProposer(EagleProposer):
     so the kept set is a tree).
 
     The shape is data, and the verify pass's layout (positions, the tree mask) is planned on
-    the host, so this proposer runs while the step is prepared and reads each level's
-    selection back to the host: a documented sync per level (the executor first waits for
+    the host, so this proposer grows its trees while the step is prepared (`plan`) and reads
+    each level's selection back to the host: a documented sync per level (it first waits for
     the previous step's catch-up, whose carried logits it expands). The fixed-shape
     EagleProposer has none of these syncs; that is the price of the dynamic shape here.
     """
 
     name = "eagle-dynamic"
-    on_host = False
 
     def __init__(self, head: MTPHead, backend: AttentionBackend, num_pages: int, page_size: int,
                  depth: int, topk: int, tokens: int, scratch_page: int | None = None):
-        # The fixed shape of the parent class only sizes the step: N nodes, depth D.
-        super().__init__(head, backend, num_pages, page_size, TreeShape.default(depth, topk, tokens), scratch_page)
+        super().__init__(head, backend, num_pages, page_size, scratch_page)
         self.topk, self.max_nodes = topk, tokens
+        self.depth = min(depth, tokens)  # a tree of `tokens` nodes is at most that deep
         self.num_nodes = min(tokens, topk + (depth - 1) * topk * topk)
+
+    def plan(self, batch: BatchPlan, sampled: list[SeqWork], ks: list[int], wait) -> DraftLayout:
+        grows = [k >= self.num_nodes for k in ks]  # all or nothing, as for fixed trees
+        trees: list[DynamicTree | None] = [None] * len(ks)
+        if any(grows):
+            # The trees grow from the logits the previous step's catch-up carries: wait for it
+            # (the documented sync of dynamic trees; expand reads each level back as well).
+            wait()
+            grown = [i for i, g in enumerate(grows) if g]
+            for i, t in zip(grown, self.expand([sampled[i] for i in grown])):
+                trees[i] = t
+        tree = TreeLayout([t.parents if t else None for t in trees], [t.order if t else None for t in trees],
+                          [t.mask if t else None for t in trees], self.depth, self.topk)
+        return DraftLayout([self.num_nodes if t else 0 for t in trees], self.num_nodes,
+                           [t.depths if t else [] for t in trees], tree,
+                           tokens=[t.tokens if t else [] for t in trees], keep_hidden=True)
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        # Grown while planning, staged with the step's inputs; q: one-hot.
+        return Proposal(request.host_tokens, None)
+
+    def after_verify(self, verified: Verified) -> None:
+        pass  # never asked for: the head catches up after the sync
 
     def expand(self, seqs: list[SeqWork]) -> list[DynamicTree]:
         b, k = len(seqs), self.topk

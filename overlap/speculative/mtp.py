@@ -1,8 +1,5 @@
-"""MTP drafting: the head (overlap/models/heads.py) proposes from the target's hidden states.
-
-Alignment (heads.py): head row j pairs token x_{j+1} with the target's hidden state H_j, sits
-at position j (KV slot j of the shared page table) and predicts x_{j+2}. So once the target
-has produced x_{n+1} from H_n, head row n = (x_{n+1}, H_n) gives the first draft, for x_{n+2}.
+"""MTP drafting: the head (overlap/models/heads.py) proposes chains from the target's hidden
+states (head_proposer.py has the alignment of head rows and the catch-up they share with EAGLE).
 
 Per step, for a decoding sequence whose last token x_n is not yet through the target:
   propose   draft 1 from the carried logits (head row n-1). For k > 1 the head continues from
@@ -12,8 +9,6 @@ Per step, for a decoding sequence whose last token x_n is not yet through the ta
   re-run    the head runs again over every accepted row with the TARGET's hidden states,
             which are more exact than its own: rows n..n+a = (x_{n+1..n+a+1}, H_{n..n+a}),
             overwriting the speculative KV, and carries the logits and hidden of row n+a.
-Prefill chunks and plain decodes fill the head's rows the same way (a row whose next token
-is still unknown, at the end of a non-final prompt chunk, waits for the next chunk).
 
 No-sync schedule (k = 1 for every sequence of a decode batch): the target always processes
 2 tokens per sequence, [x_n, d_1], so nothing in the step's shape depends on acceptance. The
@@ -22,8 +17,9 @@ page tables, attention plan): row n's token is the first produced token (d_1 if 
 else the recovered one) and row n+1's the second (the bonus, or padding when d_1 was
 rejected: wasted work, overwritten next step). The tokens are laid out on the device from
 the verifier's output, and the carried row (n + accepted) is picked on the device, so the
-executor queues the re-run right behind verification inside the same launch, with no host
-sync; the produced ids travel to the host on the copy stream meanwhile.
+re-run is queued right behind verification inside the same launch (the layout says
+`catches_up_in_launch`, the executor calls `after_verify`), with no host sync; the produced
+ids travel to the host on the copy stream meanwhile.
 """
 
 from __future__ import annotations
@@ -31,43 +27,27 @@ from __future__ import annotations
 import torch
 
 from overlap.attention.base import AttentionBackend, SeqAttention
-from overlap.batch import SeqWork
+from overlap.batch import BatchPlan, SeqWork
 from overlap.device import upload
-from overlap.models.heads import MTPHead
-from overlap.sampling import SamplingTensors, draw_draft
-from overlap.speculative.base import CatchUp, Proposal
+from overlap.sampling import draw_draft
+from overlap.speculative.base import DraftLayout, DraftRequest, Proposal, Verified
+from overlap.speculative.head_proposer import HeadProposer
 
 
-class MTPProposer:
+class MTPProposer(HeadProposer):
     name = "mtp"
-    on_host = False
-    reads_hidden = True  # catch-up needs the target's hidden states (CatchUp.hidden)
 
-    def __init__(self, head: MTPHead, backend: AttentionBackend, num_pages: int, page_size: int,
-                 scratch_page: int | None = None):
-        self.head = head
-        self.backend = backend
-        self.kv = head.new_kv_pool(num_pages + (scratch_page is not None), page_size)
-        self.page_size = page_size
-        cfg = head.cfg
-        self._attn_dims = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, head.dtype)
-        # seq_id → (logits [V] f32 for its next draft, head hidden [H] of that row)
-        self.carried: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # seq_id → (position j, H_j [H]) of a row whose token x_{j+1} is not known yet
-        self.pending: dict[int, tuple[int, torch.Tensor]] = {}
-
-    def _run(self, ids: torch.Tensor, hidden: torch.Tensor, positions: list[int], attn: list[SeqAttention],
-             last_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids [T] i64, hidden [T, H] → (logits [R, V] f32, head hidden [R, H]) at last_rows."""
-        meta = self.backend.plan(attn, self.page_size, *self._attn_dims)
-        pos, rows = upload(ids.device, (positions, torch.long), (last_rows, torch.long))
-        g, logits = self.head(ids, hidden, pos, self.backend, self.kv, meta, rows)
-        return logits, g[rows]
+    def plan(self, batch: BatchPlan, sampled: list[SeqWork], ks: list[int], wait) -> DraftLayout:
+        # k = 1 for every sequence of a decode batch: the no-sync schedule (module doc).
+        no_sync = (bool(ks) and all(k == 1 for k in ks) and batch.is_decode_only
+                   and len(sampled) == len(batch.seqs))
+        return DraftLayout.chains(ks, keep_hidden=True, catches_up_in_launch=no_sync)
 
     # -- stage 2: draft ------------------------------------------------------------------
 
-    def propose(self, seqs: list[SeqWork], ks: list[int], sampling: SamplingTensors) -> Proposal:
-        b, width = len(seqs), max(ks)
+    def propose(self, request: DraftRequest) -> Proposal:
+        seqs, ks, sampling = request.seqs, request.layout.num_drafts, request.sampling
+        b, width = len(seqs), request.layout.width
         device = sampling.seed.device
         tokens = torch.zeros(b, width, dtype=torch.long, device=device)
         # Draft i is for position end_pos + i; the head row that predicts it is end_pos - 1 + i.
@@ -96,48 +76,13 @@ class MTPProposer:
                 d, hidden, first = d[keep_t], hidden[keep_t], first[keep_t]
             logits, hidden = self._run(d, hidden, positions, attn, list(range(len(keep))))
             rows = rows_next
-        return Proposal(tokens, probs, list(ks))
+        return Proposal(tokens, probs)
 
-    # -- after the step: the head's rows over what the target computed --------------------
+    # -- right behind verification: the no-sync re-run ------------------------------------
 
-    def catch_up(self, updates: list[CatchUp]) -> None:
-        """update.new_tokens: the tokens known from update.start_pos on (step inputs, then the
-        produced ones); update.hidden [n, H]: the target's H at positions start_pos.. (the
-        verified part only; a multi-layer head's features, reduced to [n, H] first)."""
-        ids: list[int] = []
-        hidden: list[torch.Tensor] = []
-        positions: list[int] = []
-        attn: list[SeqAttention] = []
-        last: list[int] = []
-        carried_ids: list[int] = []
-        for u in updates:
-            s, known, h = u.start_pos, u.new_tokens, self.head.target_input(u.hidden)
-            # Rows j = first .. last: token x_{j+1} = known[j+1-s], hidden H_j.
-            first = s
-            row_hidden = [h]
-            pend = self.pending.pop(u.seq_id, None)
-            if pend is not None and pend[0] == s - 1:
-                first = s - 1  # the row the previous chunk could not fill
-                row_hidden = [pend[1][None], h]
-            last_row = min(s + h.shape[0] - 1, s + len(known) - 2)  # needs both H_j and x_{j+1}
-            if last_row < s + h.shape[0] - 1:
-                self.pending[u.seq_id] = (s + h.shape[0] - 1, h[-1])  # x_{j+1} not known yet
-            n = last_row - first + 1
-            if n <= 0:
-                continue
-            ids += [known[j + 1 - s] for j in range(first, last_row + 1)]
-            hidden.append(torch.cat(row_hidden)[:n])
-            positions += range(first, last_row + 1)
-            attn.append(SeqAttention(n, last_row + 1, u.page_table))
-            last.append(len(ids) - 1)
-            carried_ids.append(u.seq_id)
-        if not ids:
-            return
-        device = hidden[0].device
-        logits, g = self._run(upload(device, (ids, torch.long))[0], torch.cat(hidden), positions,
-                              attn, last)
-        for i, seq_id in enumerate(carried_ids):
-            self.carried[seq_id] = (logits[i], g[i])
+    def after_verify(self, verified: Verified) -> None:
+        self.rerun_fixed([s.seq_id for s in verified.seqs], verified.tokens, verified.num_accepted,
+                         verified.hidden, verified.positions, verified.backend, verified.meta)
 
     def rerun_fixed(self, seq_ids: list[int], produced: torch.Tensor, accepted: torch.Tensor,
                     target_hidden: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
@@ -156,8 +101,3 @@ class MTPProposer:
         for i, seq_id in enumerate(seq_ids):
             self.carried[seq_id] = (logits[i], g[i])
             self.pending.pop(seq_id, None)
-
-    def release(self, seq_ids: list[int]) -> None:
-        for i in seq_ids:
-            self.carried.pop(i, None)
-            self.pending.pop(i, None)

@@ -4,17 +4,17 @@ The drafts are the tokens that followed the most recent earlier occurrence of th
 last n tokens (n from ngram_max down to ngram_min), as in "prompt lookup decoding"
 (Saxena 2023) and vLLM's ngram proposer. Drafts are deterministic, so q is one-hot and the
 rejection sampler accepts draft x with probability p(x): still lossless.
+
+The lookups run on the host while the step is prepared (plan), so the verify pass is sized to
+the drafts actually found, and a step where none are found is a plain decode.
 """
 
 from __future__ import annotations
 
 import torch
 
-from overlap.device import upload
-
-from overlap.batch import SeqWork
-from overlap.sampling import SamplingTensors
-from overlap.speculative.base import CatchUp, Proposal
+from overlap.batch import BatchPlan, SeqWork
+from overlap.speculative.base import DraftLayout, DraftRequest, FinishedStep, Proposal, Verified
 
 
 def lookup(history: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -31,8 +31,7 @@ def lookup(history: list[int], k: int, n_min: int, n_max: int) -> list[int]:
 
 class NgramProposer:
     name = "ngram"
-    on_host = True
-    reads_hidden = False
+    state_on_host = True
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu", n_min: int = 1, n_max: int = 3):
         self.vocab_size = vocab_size
@@ -40,20 +39,29 @@ class NgramProposer:
         self.n_min, self.n_max = n_min, n_max
         self.history: dict[int, list[int]] = {}
 
-    def propose(self, seqs: list[SeqWork], ks: list[int], sampling: SamplingTensors) -> Proposal:
-        width = max(ks)
-        found = [lookup(self.history.get(s.seq_id, []), k, self.n_min, self.n_max) if k else []
-                 for s, k in zip(seqs, ks)]
-        rows = [f + [0] * (width - len(f)) for f in found]
-        # Staged in pinned memory and copied without blocking on CUDA (one copy per step).
-        tokens = upload(self.device, (rows, torch.long))[0].view(len(seqs), width)
-        return Proposal(tokens, None, [len(f) for f in found], found)  # q: one-hot at the tokens
+    def graph_runners(self) -> list:
+        return []
 
-    def catch_up(self, updates: list[CatchUp]) -> None:
-        for u in updates:
-            hist = self.history.setdefault(u.seq_id, [])
-            del hist[u.start_pos:]  # a recompute after preemption restarts at 0
-            hist += u.new_tokens
+    def plan(self, batch: BatchPlan, sampled: list[SeqWork], ks: list[int], wait) -> DraftLayout:
+        found = [lookup(self.history.get(s.seq_id, []), k, self.n_min, self.n_max) if k else []
+                 for s, k in zip(sampled, ks)]
+        # The padded width stays the k asked for: the verify layout does not depend on luck.
+        return DraftLayout.chains([len(f) for f in found], width=max(ks, default=0), tokens=found)
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        # Found while planning, staged with the step's inputs; q: one-hot at the tokens.
+        return Proposal(request.host_tokens, None)
+
+    def after_verify(self, verified: Verified) -> None:
+        pass  # never asked for: the history catches up after the sync
+
+    def catch_up(self, finished: FinishedStep) -> None:
+        # Every token from the step's first on, accepted drafts included: unlike a draft
+        # model, nothing ran the drafts through this history while proposing.
+        for s, out, _ in finished.followed():
+            hist = self.history.setdefault(s.seq_id, [])
+            del hist[s.start_pos:]  # a recompute after preemption restarts at 0
+            hist += s.token_ids + out.token_ids
 
     def release(self, seq_ids: list[int]) -> None:
         for i in seq_ids:

@@ -1,4 +1,6 @@
-"""Broken verifiers: test doubles that show the statistical tests have power.
+"""Test doubles: broken verifiers, a random speculation controller, a minimal proposer.
+
+Broken verifiers show the statistical tests have power.
 
 Each is a copy of the real verifier (overlap/speculative/rejection.py, overlap/speculative/tree.py) with one
 realistic bug switched on; with no bug switched on it is the real one, token for token
@@ -18,9 +20,12 @@ import functools
 
 import torch
 
+from overlap.attention.base import tree_mask_from_parents
+from overlap.device import upload
 from overlap.sampling import NOISE_SAMPLE, NOISE_TREE, race, uniform_noise
+from overlap.speculative.base import DraftLayout, Proposal, TreeLayout
 from overlap.speculative.rejection import _position_uniforms
-from overlap.speculative.tree import children_table
+from overlap.speculative.tree import TreeShape, children_table
 
 
 def verify_chain(target_probs, draft_probs, draft_tokens, num_drafts, seed, first_position, *,
@@ -146,3 +151,93 @@ class RandomChoices:
 
     def stats(self):
         return {"spec_k_histogram": {str(k): n for k, n in sorted(self.chosen.items())}}
+
+
+class OracleProposer:
+    """A proposer built on the public interface alone (overlap/speculative/base.py), no model:
+    it knows each sequence's greedy continuation (`references`: prompt + greedy output) and
+    drafts it, wrong at some depths (so verification rejects, recovers and carries on).
+
+    chain: k drafts; tree: `shape`, whose rank-0 path is the oracle's unless a depth is
+    spoiled, then its rank-1 child holds the right token (the verifier must try a sibling).
+    host: the drafts go in the layout (known on the host); else propose() makes them on the
+    device. Its history lives on the host and follows every token (its own catch-up rule)."""
+
+    name = "oracle"
+    state_on_host = True
+
+    def __init__(self, references: list[list[int]], vocab_size: int, shape: TreeShape | None = None,
+                 host: bool = False):
+        self.references, self.vocab = references, vocab_size
+        self.shape, self.host = shape, host
+        self.history: dict[int, list[int]] = {}
+        self.planned: list[list[int]] = []  # device drafters: drafts known since plan, for propose
+        self.proposed = self.accepted = 0
+
+    def _truth(self, seq_id: int, count: int) -> list[int]:
+        hist = self.history[seq_id]
+        ref = next(r for r in self.references if r[:len(hist)] == hist)
+        return (ref[len(hist):len(hist) + count] + [0] * count)[:count]
+
+    def _spoiled(self, seq_id: int, depth: int) -> bool:
+        return (seq_id + len(self.history[seq_id]) + depth) % 3 == 0
+
+    def _chain(self, seq_id: int, k: int) -> list[int]:
+        truth = self._truth(seq_id, k)
+        return [(t + 1) % self.vocab if self._spoiled(seq_id, d + 1) else t for d, t in enumerate(truth)]
+
+    def _tree(self, seq_id: int) -> list[int]:
+        truth = self._truth(seq_id, self.shape.depth)
+        # The rank that holds the true token at each depth: 0, or 1 where the depth is spoiled.
+        right = [1 if self._spoiled(seq_id, d) else 0 for d in range(1, self.shape.depth + 1)]
+        nodes = []
+        for path in self.shape.paths:
+            d = len(path)
+            if list(path) == right[:d]:
+                nodes.append(truth[d - 1])
+            else:
+                nodes.append((truth[d - 1] + 1 + path[-1]) % self.vocab)
+        return nodes
+
+    # -- the interface --------------------------------------------------------------------
+
+    def graph_runners(self) -> list:
+        return []
+
+    def plan(self, batch, sampled, ks, wait) -> DraftLayout:
+        if self.shape is None:
+            drafts = [self._chain(s.seq_id, k) if k else [] for s, k in zip(sampled, ks)]
+            layout = DraftLayout.chains(ks, tokens=drafts if self.host else None)
+        else:
+            n = self.shape.size
+            grows = [k >= n for k in ks]
+            drafts = [self._tree(s.seq_id) if g else [] for s, g in zip(sampled, grows)]
+            parents, order = self.shape.parents(), self.shape.sibling_order()
+            mask = tree_mask_from_parents([-1] + parents)
+            tree = TreeLayout([parents if g else None for g in grows], [order if g else None for g in grows],
+                              [mask if g else None for g in grows], self.shape.depth, self.shape.max_children())
+            layout = DraftLayout([n if g else 0 for g in grows], n, [self.shape.depths() if g else [] for g in grows],
+                                 tree, tokens=drafts if self.host else None)
+        self.planned = [d + [0] * (layout.width - len(d)) for d in drafts]
+        return layout
+
+    def propose(self, request) -> Proposal:
+        if request.host_tokens is not None:
+            return Proposal(request.host_tokens, None)
+        tokens, = upload(request.sampling.seed.device, (self.planned, torch.long))
+        return Proposal(tokens, None)  # deterministic drafts: q one-hot
+
+    def after_verify(self, verified) -> None:
+        raise AssertionError("the layout never asks for a catch-up inside the launch")
+
+    def catch_up(self, finished) -> None:
+        for s, out, _ in finished.followed():
+            hist = self.history.setdefault(s.seq_id, [])
+            del hist[s.start_pos:]  # a recompute after preemption restarts at 0
+            hist += s.token_ids + out.token_ids
+            self.proposed += out.num_drafts
+            self.accepted += out.num_accepted
+
+    def release(self, seq_ids) -> None:
+        for i in seq_ids:
+            self.history.pop(i, None)

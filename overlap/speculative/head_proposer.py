@@ -1,0 +1,112 @@
+"""What the MTP head's proposers share (mtp.py drafts chains, eagle.py trees): the head, its
+KV pool, the state it carries per sequence, and its catch-up over the rows the target verified.
+
+Alignment (overlap/models/heads.py): head row j pairs token x_{j+1} with the target's hidden
+state H_j, sits at position j (KV slot j of the shared page table) and predicts x_{j+2}. So
+once the target has produced x_{n+1} from H_n, head row n = (x_{n+1}, H_n) gives the first
+draft, for x_{n+2}.
+
+Catch-up: after each step the head re-runs over every row the target verified, with the
+TARGET's hidden states (more exact than the head's own, which drafting used past the first
+draft): rows n..n+a = (x_{n+1..n+a+1}, H_{n..n+a}) for a accepted drafts, overwriting the
+rows drafting wrote, and carries the logits and head hidden state of row n+a. Prefill chunks
+and plain decodes fill the head's rows the same way; a row whose next token is still unknown
+(at the end of a non-final prompt chunk) waits for the next chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from overlap.attention.base import AttentionBackend, SeqAttention
+from overlap.device import upload
+from overlap.models.heads import MTPHead
+from overlap.speculative.base import CatchUp, FinishedStep
+
+
+class HeadProposer:
+    """The shared part; subclasses plan and propose (chains, fixed trees, dynamic trees)."""
+
+    state_on_host = False
+
+    def __init__(self, head: MTPHead, backend: AttentionBackend, num_pages: int, page_size: int,
+                 scratch_page: int | None = None):
+        self.head = head
+        self.backend = backend
+        self.kv = head.new_kv_pool(num_pages + (scratch_page is not None), page_size)
+        self.page_size = page_size
+        cfg = head.cfg
+        self._attn_dims = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, head.dtype)
+        # seq_id → (logits [V] f32 for its next draft, head hidden [H] of that row)
+        self.carried: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # seq_id → (position j, H_j [H]) of a row whose token x_{j+1} is not known yet
+        self.pending: dict[int, tuple[int, torch.Tensor]] = {}
+
+    def graph_runners(self) -> list:
+        return []
+
+    def _run(self, ids: torch.Tensor, hidden: torch.Tensor, positions: list[int], attn: list[SeqAttention],
+             last_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [T] i64, hidden [T, H] → (logits [R, V] f32, head hidden [R, H]) at last_rows."""
+        meta = self.backend.plan(attn, self.page_size, *self._attn_dims)
+        pos, rows = upload(ids.device, (positions, torch.long), (last_rows, torch.long))
+        g, logits = self.head(ids, hidden, pos, self.backend, self.kv, meta, rows)
+        return logits, g[rows]
+
+    # -- after the step: the head's rows over what the target computed --------------------
+
+    def catch_up(self, finished: FinishedStep) -> None:
+        """Every verified row of the step, re-run with the target's hidden states of the step
+        (the layout kept them: keep_hidden)."""
+        updates = []
+        for s, out, row in finished.followed():
+            # The step's own tokens and, on a speculative step, the accepted drafts: the rows
+            # whose target hidden states belong to the sequence (a rejected draft's do not).
+            verified = len(s.token_ids) + (out.num_accepted if out.num_drafts else 0)
+            updates.append(CatchUp(s.seq_id, s.start_pos, s.token_ids + out.token_ids, s.page_table,
+                                   finished.hidden[row:row + verified]))
+        self.feed(updates)
+
+    def feed(self, updates: list[CatchUp]) -> None:
+        """update.new_tokens: the tokens known from update.start_pos on (step inputs, then the
+        produced ones); update.hidden [n, H]: the target's H at positions start_pos.. (the
+        verified part only; a multi-layer head's features, reduced to [n, H] first)."""
+        ids: list[int] = []
+        hidden: list[torch.Tensor] = []
+        positions: list[int] = []
+        attn: list[SeqAttention] = []
+        last: list[int] = []
+        carried_ids: list[int] = []
+        for u in updates:
+            s, known, h = u.start_pos, u.new_tokens, self.head.target_input(u.hidden)
+            # Rows j = first .. last: token x_{j+1} = known[j+1-s], hidden H_j.
+            first = s
+            row_hidden = [h]
+            pend = self.pending.pop(u.seq_id, None)
+            if pend is not None and pend[0] == s - 1:
+                first = s - 1  # the row the previous chunk could not fill
+                row_hidden = [pend[1][None], h]
+            last_row = min(s + h.shape[0] - 1, s + len(known) - 2)  # needs both H_j and x_{j+1}
+            if last_row < s + h.shape[0] - 1:
+                self.pending[u.seq_id] = (s + h.shape[0] - 1, h[-1])  # x_{j+1} not known yet
+            n = last_row - first + 1
+            if n <= 0:
+                continue
+            ids += [known[j + 1 - s] for j in range(first, last_row + 1)]
+            hidden.append(torch.cat(row_hidden)[:n])
+            positions += range(first, last_row + 1)
+            attn.append(SeqAttention(n, last_row + 1, u.page_table))
+            last.append(len(ids) - 1)
+            carried_ids.append(u.seq_id)
+        if not ids:
+            return
+        device = hidden[0].device
+        logits, g = self._run(upload(device, (ids, torch.long))[0], torch.cat(hidden), positions,
+                              attn, last)
+        for i, seq_id in enumerate(carried_ids):
+            self.carried[seq_id] = (logits[i], g[i])
+
+    def release(self, seq_ids: list[int]) -> None:
+        for i in seq_ids:
+            self.carried.pop(i, None)
+            self.pending.pop(i, None)
