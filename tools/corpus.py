@@ -112,3 +112,30 @@ def many_chat_instructions() -> list[str]:
     classes = [f"Write a Python class for {c}, with a short example of its use." for c in _CLASSES]
     classes += [f"Implement {c} in Python and explain each method." for c in _CLASSES]
     return prose + code + classes
+
+
+def function_headers(files, count: int, per_file: int = 3, top_level_only: bool = False) -> list[str]:
+    """The `def` line(s) plus docstring of documented functions (prompts shaped like a user's
+    code prompts), dedented, ending in a newline: at most `per_file` from each file (variety),
+    only module-level functions with `top_level_only`, `count` in all."""
+    import ast
+
+    out = []
+    for f in files:
+        try:
+            source = read_text(f)
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError):
+            continue
+        lines, taken = source.splitlines(keepends=True), 0
+        for node in ast.walk(tree):
+            doc = isinstance(node, ast.FunctionDef) and ast.get_docstring(node)
+            if not doc or len(doc) <= 40 or taken >= per_file or (top_level_only and node.col_offset):
+                continue
+            indent = node.col_offset
+            text = "".join(line[indent:] for line in lines[node.lineno - 1: node.body[0].end_lineno])
+            out.append(text if text.endswith("\n") else text + "\n")
+            taken += 1
+        if len(out) >= count:
+            break
+    return out[:count]

@@ -35,7 +35,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from corpus import chat_instructions, read_text, split_files  # noqa: E402
+from corpus import chat_instructions, function_headers, read_text, split_files  # noqa: E402
 from overlap.attention import ReferenceBackend, SeqAttention  # noqa: E402
 from overlap.models.llama import LlamaModel, load_llama  # noqa: E402
 from overlap.models.loading import load_tokenizer, read_model_config, resolve_model_dir  # noqa: E402
@@ -88,7 +88,7 @@ def build_part(name: str, split: str, args, tokenizer, target: LlamaModel) -> li
         return self_distilled(target, tokenizer, chosen[:count], args.chat_tokens, args.window, chat=True)
     if name == "gen_code":
         count = args.code_answers if split == "train" else max(4, args.code_answers // 10)
-        return self_distilled(target, tokenizer, function_headers(files, count), args.chat_tokens,
+        return self_distilled(target, tokenizer, function_headers(files, count, per_file=1, top_level_only=True), args.chat_tokens,
                               args.window, chat=False)
     raise ValueError(name)
 
@@ -102,28 +102,6 @@ def code_windows(texts, tokenizer, window: int, budget: int) -> list[list[int]]:
                 return out
             out.append(ids[i: i + window])
             total += len(out[-1])
-    return out
-
-
-def function_headers(files, count: int) -> list[str]:
-    """`def ...:` lines plus docstring of documented stdlib functions (prompts like a user's)."""
-    import ast
-
-    out = []
-    for f in files:
-        try:
-            source = read_text(f)
-            tree = ast.parse(source)
-        except (SyntaxError, ValueError):
-            continue
-        lines = source.splitlines(keepends=True)
-        for node in ast.walk(tree):
-            doc = isinstance(node, ast.FunctionDef) and ast.get_docstring(node)
-            if doc and node.col_offset == 0 and len(doc) > 40:
-                out.append("".join(lines[node.lineno - 1: node.body[0].end_lineno]))
-                break  # one per file: variety
-        if len(out) >= count:
-            break
     return out
 
 

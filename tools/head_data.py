@@ -36,7 +36,6 @@ The layout (every file under --out):
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import random
 import sys
@@ -49,7 +48,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from corpus import many_chat_instructions, read_text, split_files  # noqa: E402
+from corpus import function_headers, many_chat_instructions, read_text, split_files  # noqa: E402
 from overlap.attention import SeqAttention, make_backend  # noqa: E402
 from overlap.models.llama import LlamaModel, default_feature_layers, load_llama  # noqa: E402
 from overlap.models.loading import load_tokenizer, resolve_model_dir  # noqa: E402
@@ -99,28 +98,6 @@ def code_windows(files, tokenizer, window: int, budget: int) -> list[list[int]]:
             out.append(ids[i: i + window])
             total += len(out[-1])
     return out
-
-
-def function_headers(files, count: int, per_file: int = 3) -> list[str]:
-    """`def` line(s) plus docstring of documented functions (prompts shaped like the dev set's)."""
-    out = []
-    for f in files:
-        try:
-            source = read_text(f)
-            tree = ast.parse(source)
-        except (SyntaxError, ValueError):
-            continue
-        lines, taken = source.splitlines(keepends=True), 0
-        for node in ast.walk(tree):
-            doc = isinstance(node, ast.FunctionDef) and ast.get_docstring(node)
-            if doc and len(doc) > 40 and taken < per_file:
-                indent = node.col_offset
-                text = "".join(line[indent:] for line in lines[node.lineno - 1: node.body[0].end_lineno])
-                out.append(text if text.endswith("\n") else text + "\n")
-                taken += 1
-        if len(out) >= count:
-            break
-    return out[:count]
 
 
 def requests_for(part: str, split: str, args) -> list[tuple[str, dict, bool]]:
