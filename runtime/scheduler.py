@@ -256,9 +256,11 @@ class Scheduler:
                 # is moved into place): those tokens are computed, so the next step starts at the
                 # bonus token and speculates, instead of re-running the accepted drafts as a chunk.
                 seq.num_computed += out.num_accepted
-            if (seq.num_spec_tokens or work.draft) and seq.finish_reason is None:  # (work: detached this step)
+            if work.draft and seq.finish_reason is None:
                 # Give back the pages reserved for rejected drafts; keep what holds every
-                # known token (the drafter's KV includes the last one).
+                # known token (the drafter's KV includes the last one). The work's flag, not
+                # the sequence's: a sequence detached since this step was planned had pages
+                # reserved for it all the same.
                 self.allocator.trim(seq.pages, len(seq.tokens))
             if new or seq.finish_reason:
                 spec_k = work.num_spec_tokens if (work.draft and work.is_decode) else None
@@ -279,8 +281,7 @@ class Scheduler:
             depths = [self.tree_depth if (self.tree_depth and w.num_spec_tokens) else w.num_spec_tokens
                       for w in plan.seqs]
             levels = [sum(1 for d in depths if d >= j) for j in range(2, max(depths, default=0) + 1)]
-            self.controller.observe_step(rows, levels, self.clock() - start,
-                                         speculative=any(w.num_spec_tokens for w in plan.seqs))
+            self.controller.observe_step(rows, levels, self.clock() - start, speculative=any(depths))
 
     def _append(self, seq: Sequence, token_ids: list[int]) -> list[int]:
         new = []
