@@ -88,8 +88,8 @@ def build_part(name: str, split: str, args, tokenizer, target: LlamaModel) -> li
         return self_distilled(target, tokenizer, chosen[:count], args.chat_tokens, args.window, chat=True)
     if name == "gen_code":
         count = args.code_answers if split == "train" else max(4, args.code_answers // 10)
-        return self_distilled(target, tokenizer, function_headers(files, count, per_file=1, top_level_only=True), args.chat_tokens,
-                              args.window, chat=False)
+        headers = function_headers(files, count, per_file=1, top_level_only=True)
+        return self_distilled(target, tokenizer, headers, args.chat_tokens, args.window, chat=False)
     raise ValueError(name)
 
 

@@ -331,7 +331,7 @@ def loss_terms(head: MTPHead, lm_rows: torch.Tensor, batch, args):
             reg = F.smooth_l1_loss(g.float(), target_h, reduction="none").mean(-1)
             loss_d = loss_d + args.reg_weight * reg
             if d == 1:
-                terms["reg"] = float((reg * mask).sum() / n)
+                terms["reg"] = float((reg.detach() * mask).sum() / n)
         total = total + args.depth_decay ** (d - 1) * (loss_d * mask).sum() / n
         with torch.no_grad():
             acc = float(((logits.argmax(-1) == t_logits.argmax(-1)).float() * mask).sum() / n)
