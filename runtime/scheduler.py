@@ -281,7 +281,7 @@ class Scheduler:
             depths = [self.tree_depth if (self.tree_depth and w.num_spec_tokens) else w.num_spec_tokens
                       for w in plan.seqs]
             levels = [sum(1 for d in depths if d >= j) for j in range(2, max(depths, default=0) + 1)]
-            self.controller.observe_step(rows, levels, self.clock() - start, speculative=any(depths))
+            self.controller.observe_step(rows, levels, self.clock() - start, speculating=sum(1 for d in depths if d))
 
     def _append(self, seq: Sequence, token_ids: list[int]) -> list[int]:
         new = []

@@ -26,10 +26,15 @@ max_tokens) bound the options; the controller never exceeds them.
 Detaching. Choosing no drafts does not make a step free: a model drafter still follows every
 speculating sequence (its catch-up runs the head or the draft model over each new token,
 ~10% of a target step here), so a batch where the controller keeps choosing 0 is slower than
-plain decoding. A sequence whose last `detach_after` choices were all "no drafts" is
-therefore detached: the scheduler stops speculating for it for the rest of the request and
-the drafter stops following it (`should_detach`), which makes it cost exactly a plain decode.
-Under sustained load every sequence detaches; new requests start attached.
+plain decoding. A sequence is therefore detached (the scheduler stops speculating for it for
+the rest of the request and the drafter stops following it: `should_detach`, after which it
+costs exactly a plain decode) once it has gone without drafts for
+- `detach_hopeless` steps in which the batch itself ruled speculation out (one draft with an
+  average sequence's acceptance would have lost to plain decoding: a compute-bound batch,
+  which no acceptance of its own changes), or
+- `detach_after` steps whatever the reason (its own acceptance stayed too low: slower,
+  since acceptance is noisy and `relax` re-probes it meanwhile).
+Under sustained load every sequence detaches within a few steps; new requests start attached.
 
 Pure and deterministic given its inputs: tests drive it with a scripted cost model.
 """
@@ -81,11 +86,11 @@ class CostModel(Protocol):
 
     def drafter_ms(self, rows: int) -> float: ...  # one drafter step over `rows` sequences
 
-    # Fixed ms a step pays when any sequence in it speculates (the proposal, verification and
-    # the speculative path's host work), on top of the rows and the drafter's levels.
-    spec_overhead_ms: float
+    # What a step pays beyond its rows and the drafter's levels when `speculating` sequences in
+    # it draft (the proposal, verification and the speculative path's host work); 0 for none.
+    def spec_overhead_ms(self, speculating: int) -> float: ...
 
-    def observe(self, rows: int, drafter_rows: list[int], ms: float, speculative: bool = False) -> None: ...
+    def observe(self, rows: int, drafter_rows: list[int], ms: float, speculating: int = 0) -> None: ...
 
 
 class StepCostModel:
@@ -97,11 +102,16 @@ class StepCostModel:
     powers of two), so a curve measured under other conditions (another context length, a
     busier machine) bends toward what the server actually sees. A correction per bucket, not
     one scale, because one scale never changes a decision (the rate's argmax is scale-free):
-    only the curve's shape does. A speculative step's excess over that prediction (rows plus
-    the drafter's levels) feeds `spec_overhead_ms`, the fixed price of speculating at all:
-    a forward over the same rows costs the same either way, so what is left is the proposal,
-    the verification and their host work, which a bare cost curve does not see and which
-    decides whether one draft for one sequence of a large batch pays."""
+    only the curve's shape does.
+
+    A speculative step's excess over that prediction (rows plus the drafter's levels) is the
+    price of speculating: a forward over the same rows costs the same either way, so what is
+    left is the proposal, the verification and their host work, which a bare cost curve does
+    not see. It grows with the number of sequences that draft (each has its own proposal,
+    acceptance walk and KV moves), so it is learned per bucket of that number (powers of
+    two), and a bucket not yet seen is priced per sequence from the nearest one that was. One
+    price for every batch size was tried first: learned mostly in small batches, it made a
+    draft in a batch of 8 look nearly free (docs/controller.md)."""
 
     def __init__(self, points: dict[int, float], drafter_fraction: float = 0.0, alpha: float = 0.1):
         if not points or 1 not in points:
@@ -111,7 +121,8 @@ class StepCostModel:
         self.drafter_fraction = drafter_fraction
         self.alpha = alpha
         self.correction: dict[int, float] = {}  # bucket → observed / predicted (EMA), plain steps
-        self.spec_overhead_ms = 0.0  # EMA of a speculative step's ms beyond the prediction
+        # bucket of speculating sequences → [ms beyond the prediction, their mean count, steps seen]
+        self.overhead: dict[int, list[float]] = {}
 
     @classmethod
     def from_report(cls, report: dict, drafter: str | None = None, batch=None) -> "StepCostModel":
@@ -132,7 +143,7 @@ class StepCostModel:
         # String keys: the stats travel as JSON too (HTTP, bench reports).
         return {"points": {str(r): ms for r, ms in zip(self.rows, self.ms)}, "drafter_fraction": self.drafter_fraction,
                 "correction": {str(1 << (b - 1)): c for b, c in sorted(self.correction.items())},
-                "spec_overhead_ms": self.spec_overhead_ms}
+                "spec_overhead_ms": {str(1 << (b - 1)): ms for b, (ms, _, _) in sorted(self.overhead.items())}}
 
     @staticmethod
     def _bucket(rows: int) -> int:
@@ -157,14 +168,33 @@ class StepCostModel:
     def drafter_ms(self, rows: int) -> float:
         return self.drafter_fraction * self.step_ms(rows) if rows else 0.0
 
-    def observe(self, rows: int, drafter_rows: list[int], ms: float, speculative: bool = False) -> None:
+    def spec_overhead_ms(self, speculating: int) -> float:
+        if speculating <= 0 or not self.overhead:
+            return 0.0
+        seen = self.overhead.get(self._bucket(speculating))
+        if seen is not None:  # its own bucket, per sequence within it
+            return seen[0] * speculating / seen[1]
+        # Unseen: linear between the seen buckets around it (and nothing for no sequence),
+        # per sequence of the last one past it.
+        points = [(0.0, 0.0)] + sorted((count, ms) for ms, count, _ in self.overhead.values())
+        for (c0, m0), (c1, m1) in zip(points, points[1:]):
+            if speculating <= c1:
+                return m0 + (m1 - m0) * (speculating - c0) / (c1 - c0)
+        count, ms = points[-1]
+        return ms * speculating / count
+
+    def observe(self, rows: int, drafter_rows: list[int], ms: float, speculating: int = 0) -> None:
         if ms <= 0:
             return
-        if speculative:
+        if speculating:
             predicted = self.step_ms(rows) + sum(self.drafter_ms(n) for n in drafter_rows if n)
             # Clamped like the ratio below: one stalled step must not rewrite the overhead.
             excess = min(max(ms - predicted, 0.0), predicted)
-            self.spec_overhead_ms += self.alpha * (excess - self.spec_overhead_ms)
+            entry = self.overhead.setdefault(self._bucket(speculating), [0.0, 0.0, 0])
+            entry[2] += 1
+            weight = max(self.alpha, 1.0 / entry[2])  # a plain mean until the average takes over
+            entry[0] += weight * (excess - entry[0])
+            entry[1] += weight * (speculating - entry[1])
             return
         predicted = self._base(rows)
         if predicted <= 0:
@@ -220,6 +250,7 @@ class ControllerConfig:
     relax: float = 0.02  # per plain step, pull toward the prior (re-probing a turned-off sequence)
     min_gain: float = 1.0 + 1e-6  # speculate only if the predicted rate beats plain decoding by this factor
     detach_after: int = 16  # consecutive "no drafts" choices after which a sequence is detached (0: never)
+    detach_hopeless: int = 3  # ... or this many of them in batches where speculation could not pay (0: never)
 
 
 class SpeculationController:
@@ -230,6 +261,7 @@ class SpeculationController:
         self.chosen = Counter()  # k (verify rows) chosen per decoding sequence, over all steps
         self.steps = 0
         self.plain_streak: Counter = Counter()  # key → consecutive steps it was given no drafts
+        self.hopeless_streak: Counter = Counter()  # key → of those, steps its batch ruled drafts out
         self.detached = 0  # sequences detached over the controller's life
 
     def _acc(self, key: Hashable) -> Acceptance:
@@ -249,28 +281,49 @@ class SpeculationController:
             picked = [c.options[-1] for c in candidates]
         else:
             picked = self._search(candidates, other_rows, other_tokens)
+        rows, tokens = other_rows + sum(1 + o.rows for o in picked), other_tokens + len(picked)
+        hopeless: dict[SpecOption, bool] = {}  # per first option: the verdict is the batch's
         for c, o in zip(candidates, picked):
             self.chosen[o.k] += 1
-            if o.depth == 0:
-                self._acc(c.key).relax(self.config.relax)
-                self.plain_streak[c.key] += 1
-            else:
+            if o.depth:
                 self.plain_streak.pop(c.key, None)
+                self.hopeless_streak.pop(c.key, None)
+                continue
+            self._acc(c.key).relax(self.config.relax)
+            self.plain_streak[c.key] += 1
+            first = c.options[1] if len(c.options) > 1 else None
+            if self.config.enabled and first is not None:
+                if first not in hopeless:
+                    hopeless[first] = self._hopeless(first, rows, tokens)
+                self.hopeless_streak[c.key] += hopeless[first]
         return picked
 
     def should_detach(self, key: Hashable) -> bool:
-        """Whether the sequence went `detach_after` steps without drafts (see the module doc);
-        True once: the controller then forgets it (the scheduler stops offering it drafts)."""
-        after = self.config.detach_after
-        if not (self.config.enabled and after and self.plain_streak.get(key, 0) >= after):
+        """Whether the sequence went long enough without drafts (see the module doc); True
+        once: the controller then forgets it (the scheduler stops offering it drafts)."""
+        after, hopeless = self.config.detach_after, self.config.detach_hopeless
+        if not self.config.enabled:
+            return False
+        if not ((after and self.plain_streak.get(key, 0) >= after)
+                or (hopeless and self.hopeless_streak.get(key, 0) >= hopeless)):
             return False
         self.forget(key)
         self.detached += 1
         return True
 
-    def _time(self, rows: int, levels: list[int], speculating: bool = True) -> float:
-        overhead = self.cost.spec_overhead_ms if speculating else 0.0
-        return self.cost.step_ms(rows) + sum(self.cost.drafter_ms(n) for n in levels if n) + overhead
+    def _time(self, rows: int, levels: list[int], speculating: int) -> float:
+        """Predicted ms of a step over `rows` rows where `speculating` sequences draft and
+        levels[j] of them run drafter level j + 2."""
+        return (self.cost.step_ms(rows) + sum(self.cost.drafter_ms(n) for n in levels if n)
+                + self.cost.spec_overhead_ms(speculating))
+
+    def _hopeless(self, option: SpecOption, rows: int, tokens: float) -> bool:
+        """Whether `option` for one sequence, with the acceptance of an average sequence (the
+        prior), would lose to plain decoding in a batch of `rows` rows producing `tokens`
+        tokens: the batch, not the sequence, rules speculation out."""
+        gain = Acceptance(self.config.prior, 0.0).expected_tokens(option.depth) - 1.0
+        levels = [1] * max(0, option.depth - 1)
+        return (tokens + gain) / self._time(rows + option.rows, levels, 1) <= tokens / self._time(rows, [], 0)
 
     def _search(self, candidates: list[Candidate], other_rows: int, other_tokens: int) -> list[SpecOption]:
         n = len(candidates)
@@ -280,7 +333,7 @@ class SpeculationController:
         tokens = other_tokens + float(n)
         max_depth = max((c.options[-1].depth for c in candidates), default=0)
         drafting = [0] * (max_depth + 1)  # drafting[j]: sequences drafting at depth >= j (j >= 1)
-        plain_rate = tokens / self._time(rows, [], speculating=False)
+        plain_rate = tokens / self._time(rows, [], 0)
         best_rate, best_len, path = plain_rate * self.config.min_gain, 0, []
 
         def push(heap, i):
@@ -302,7 +355,7 @@ class SpeculationController:
             level[i] += 1
             path.append(i)
             # Draft 1 comes from the carried distribution; each deeper one costs a drafter step.
-            rate = tokens / self._time(rows, drafting[2:])
+            rate = tokens / self._time(rows, drafting[2:], drafting[1])
             if rate > best_rate:
                 best_rate, best_len = rate, len(path)
             push(heap, i)
@@ -318,12 +371,14 @@ class SpeculationController:
         if num_drafts:
             self._acc(key).observe(num_drafts, num_accepted)
 
-    def observe_step(self, rows: int, drafter_rows: list[int], seconds: float, speculative: bool = False) -> None:
-        self.cost.observe(rows, drafter_rows, seconds * 1e3, speculative)
+    def observe_step(self, rows: int, drafter_rows: list[int], seconds: float, speculating: int = 0) -> None:
+        """A step's wall time; speculating: how many of its sequences drafted."""
+        self.cost.observe(rows, drafter_rows, seconds * 1e3, speculating)
 
     def forget(self, key: Hashable) -> None:
         self.acceptance.pop(key, None)
         self.plain_streak.pop(key, None)
+        self.hopeless_streak.pop(key, None)
 
     def stats(self) -> dict:
         total = sum(self.chosen.values())

@@ -101,7 +101,10 @@ def test_generate_spec_matches_plain(tiny_dirs, cached_engines, capsys):
     plain = generate_json(capsys, prompt, "--model", model, "--spec", "none")
     assert "acceptance_length" not in plain["stats"]
     for extra in (["--spec", "ngram"], ["--spec", "draft", "--draft-model", str(tiny_dirs["draft"])]):
-        out = generate_json(capsys, prompt, "--model", model, "--num-spec-tokens", "3", *extra)
+        # Controller off: every step verifies its 3 drafts. On, whether drafts pay on this tiny
+        # model depends on the machine's timings (on an AMD EPYC it chose none at all).
+        out = generate_json(capsys, prompt, "--model", model, "--num-spec-tokens", "3",
+                            "--speculation-controller", "off", *extra)
         assert out["token_ids"] == plain["token_ids"], extra
         assert out["stats"]["acceptance_length"] >= 1
     assert {c.spec.num_spec_tokens for c in cached_engines if c.spec.method != "none"} == {3}

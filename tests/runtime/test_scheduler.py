@@ -152,7 +152,7 @@ class FixedChoices:
     def observe(self, key, num_drafts, num_accepted):
         self.observed.append((key, num_drafts, num_accepted))
 
-    def observe_step(self, rows, drafter_rows, seconds, speculative=False):
+    def observe_step(self, rows, drafter_rows, seconds, speculating=0):
         self.steps.append((rows, drafter_rows, seconds))
 
     def should_detach(self, key):

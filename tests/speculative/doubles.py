@@ -140,7 +140,7 @@ class RandomChoices:
     def observe(self, key, num_drafts, num_accepted):
         pass
 
-    def observe_step(self, rows, drafter_rows, seconds, speculative=False):
+    def observe_step(self, rows, drafter_rows, seconds, speculating=0):
         pass
 
     def should_detach(self, key):

@@ -12,7 +12,7 @@ class Scripted:
 
     def __init__(self, base=10.0, per_row=0.0, drafter=0.0, spec_overhead_ms=0.0):
         self.base, self.per_row, self.drafter = base, per_row, drafter
-        self.spec_overhead_ms = spec_overhead_ms
+        self.overhead = spec_overhead_ms  # one price per speculative step, whoever drafts
         self.seen = []
 
     def step_ms(self, rows):
@@ -21,7 +21,10 @@ class Scripted:
     def drafter_ms(self, rows):
         return self.drafter * self.step_ms(rows)
 
-    def observe(self, rows, drafter_rows, ms, speculative=False):
+    def spec_overhead_ms(self, speculating):
+        return self.overhead if speculating else 0.0
+
+    def observe(self, rows, drafter_rows, ms, speculating=0):
         self.seen.append((rows, ms))
 
 
@@ -138,7 +141,7 @@ def test_cost_model_from_a_step_costs_report():
 
 
 def test_a_sequence_without_drafts_for_detach_after_steps_is_detached_once():
-    ctl = controller(Scripted(base=1.0, per_row=10.0), detach_after=3)  # steep: always plain
+    ctl = controller(Scripted(base=1.0, per_row=10.0), detach_after=3, detach_hopeless=0)  # steep: always plain
     cands = [Candidate("a", chain_options(2))]
     detached = []
     for _ in range(5):
@@ -156,7 +159,7 @@ def test_a_step_with_drafts_resets_the_streak_and_detaching_can_be_off():
     ctl.choose(cands)  # plain (acceptance 0): streak 1
     train(ctl, "a", 2)
     assert ctl.choose(cands)[0].k == 2 and not ctl.should_detach("a")  # drafts again: streak 0
-    never = controller(Scripted(base=1.0, per_row=10.0), detach_after=0)
+    never = controller(Scripted(base=1.0, per_row=10.0), detach_after=0, detach_hopeless=0)
     off = controller(Scripted(base=1.0, per_row=10.0), enabled=False, detach_after=1)
     for ctl in (never, off):
         for _ in range(20):
@@ -181,9 +184,62 @@ def test_a_fixed_price_of_speculating_keeps_a_large_batch_plain():
 
 def test_cost_model_learns_the_price_of_speculating_from_speculative_steps_only():
     cost = StepCostModel({1: 10.0, 16: 40.0}, alpha=0.5)
+    assert cost.spec_overhead_ms(1) == 0.0  # nothing seen: no price yet
     for _ in range(30):
         cost.observe(8, [], cost.step_ms(8))  # plain steps as predicted: no correction
-        cost.observe(9, [], cost.step_ms(9) + 3.0, speculative=True)
-    assert cost.spec_overhead_ms == pytest.approx(3.0, rel=1e-3)
+        cost.observe(9, [], cost.step_ms(9) + 3.0, speculating=1)
+    assert cost.spec_overhead_ms(1) == pytest.approx(3.0, rel=1e-3)
+    assert cost.spec_overhead_ms(0) == 0.0
     assert cost.step_ms(8) == pytest.approx(StepCostModel({1: 10.0, 16: 40.0}).step_ms(8))
-    assert cost.as_dict()["spec_overhead_ms"] == pytest.approx(3.0, rel=1e-3)
+    assert cost.as_dict()["spec_overhead_ms"] == {"1": pytest.approx(3.0, rel=1e-3)}
+
+
+def test_the_price_of_speculating_is_learned_per_bucket_of_drafting_sequences():
+    """A few ms when one sequence drafts, much more when eight do: each bucket keeps its own,
+    and a bucket never seen is priced per sequence from the nearest one."""
+    cost = StepCostModel({1: 10.0, 64: 100.0})
+    for _ in range(20):
+        cost.observe(2, [], cost.step_ms(2) + 2.0, speculating=1)
+        cost.observe(16, [], cost.step_ms(16) + 24.0, speculating=8)
+    assert cost.spec_overhead_ms(1) == pytest.approx(2.0)
+    assert cost.spec_overhead_ms(8) == pytest.approx(24.0)
+    assert cost.spec_overhead_ms(16) == pytest.approx(48.0)  # past the last seen: 3 ms each, as at 8
+    assert cost.spec_overhead_ms(2) == pytest.approx(2.0 + 22.0 / 7)  # between 1 and 8: linear
+
+
+def test_a_draft_priced_at_batch_one_does_not_pass_for_free_in_a_large_batch():
+    """Learned at batch 1, a small price; at batch 8 the measured price is large: speculation
+    stops there and stays at batch 1."""
+    cost = StepCostModel({1: 10.0, 8: 20.0, 16: 30.0})
+    ctl = controller(cost)
+    for i in range(8):
+        train(ctl, i, 1, k=1)  # every first draft lands
+    assert ctl.choose([Candidate(0, chain_options(1))]) == [SpecOption(1, 1)]
+    cands = [Candidate(i, chain_options(1)) for i in range(8)]
+    assert [o.k for o in ctl.choose(cands)] == [1] * 8  # nothing learned yet: rows only
+    for _ in range(10):
+        cost.observe(2, [], cost.step_ms(2) + 1.0, speculating=1)
+        cost.observe(16, [], cost.step_ms(16) + 30.0, speculating=8)
+    assert ctl.choose([Candidate(0, chain_options(1))]) == [SpecOption(1, 1)]
+    # One sequence is still priced as at batch 1 (its bucket), but the eight no longer draft.
+    assert sum(o.k for o in ctl.choose(cands)) <= 1
+
+
+def test_a_batch_that_rules_speculation_out_detaches_its_sequences_sooner():
+    """Steep curve: one draft loses whatever the acceptance, so the batch (not the sequence)
+    rules drafts out, and sequences detach after detach_hopeless steps. On a flat curve a
+    sequence whose own drafts miss waits for detach_after: its acceptance may come back."""
+    steep = controller(Scripted(base=1.0, per_row=10.0), detach_after=16, detach_hopeless=3)
+    cands = [Candidate(i, chain_options(2)) for i in range(4)]
+    detached = []
+    for _ in range(4):
+        assert steep.choose(cands) == [PLAIN] * 4
+        detached.append([steep.should_detach(i) for i in range(4)])
+    assert detached == [[False] * 4, [False] * 4, [True] * 4, [False] * 4]
+    flat = controller(Scripted(base=10.0, per_row=0.5), detach_after=16, detach_hopeless=3, relax=0.0)
+    train(flat, "a", 0)
+    steps = 0
+    while not flat.should_detach("a"):
+        assert flat.choose([Candidate("a", chain_options(2))]) == [PLAIN]
+        steps += 1
+    assert steps == 16

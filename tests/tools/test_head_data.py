@@ -1,7 +1,7 @@
 """tools/head_data.py end to end on a tiny target (SmolLM2's tokenizer, 2 random layers): the
 corpus is built by the engine, the states are the target's own and resume bit for bit, and
 tools/train_mtp.py trains a multi-layer head with the training-time test on it, which the
-engine then runs losslessly."""
+engine then runs losslessly; tools/distill_draft.py distils a draft model on the same corpus."""
 
 import json
 import sys
@@ -17,6 +17,7 @@ from runtime.engine import Engine
 from runtime.messages import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import distill_draft  # noqa: E402
 import head_data  # noqa: E402
 import train_mtp  # noqa: E402
 
@@ -92,3 +93,32 @@ def test_train_on_data_and_run_the_head_losslessly(data, tiny_dirs, tmp_path, fe
         finally:
             engine.close()
     assert outputs["mtp"] == outputs["none"]
+
+
+def test_distill_a_draft_on_the_same_data_and_run_it_losslessly(data, tiny_dirs, tmp_path):
+    out, work = tmp_path / "draft", tmp_path / "work"
+    argv = ["--model", str(tiny_dirs["target"]), "--data", str(data), "--out", str(out), "--workdir", str(work),
+            "--layers", "1", "--draft-vocab", "512", "--steps", "4", "--batch", "2", "--ckpt-every", "2",
+            "--max-train-tokens", "1000"]
+    assert distill_draft.main(argv) == 0
+    report = json.loads((out / "distill_report.json").read_text())
+    # Every part of the head's corpus, held-out splits included, and code capped as asked.
+    assert {"top1_agreement_code", "top1_agreement_chat"} <= set(report["after_training"])
+    code = distill_draft.data_windows(data, "code", "train", distill_draft.parse_args(argv))
+    assert 1000 <= sum(map(len, code)) < 1000 + 65
+    chat = torch.load(sorted((data / "chat" / "train").glob("chunk_*.pt"))[0])
+    assert distill_draft.data_windows(data, "chat", "train", distill_draft.parse_args(argv))[0] == \
+        chat["ids"][: int(chat["offsets"][1])].tolist()
+    # Labels were saved in pieces: a rerun reuses them (and the finished parts) and resumes.
+    assert list((work / "part_chat_train_top32.pieces").glob("*.pt"))
+    prompts = ["def add(a, b):", "The capital of France is"]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    outputs = {}
+    for method in ("none", "draft"):
+        spec = SpecConfig(method=method, num_spec_tokens=3, draft_model=str(out) if method == "draft" else None)
+        engine = Engine(EngineConfig(model=str(tiny_dirs["target"]), spec=spec), progress=False)
+        try:
+            outputs[method] = [r.token_ids for r in engine.generate(prompts, params)]
+        finally:
+            engine.close()
+    assert outputs["draft"] == outputs["none"]
