@@ -302,7 +302,7 @@ def train(args, model, corpus, labels, vocab_ids, work: Path):
         opt.step()
         sched.step()
         step += 1
-        history.append(float(loss))
+        history.append(float(loss.detach()))
         bar.update(1)
         bar.set_postfix(loss=f"{sum(history[-20:]) / len(history[-20:]):.3f}")
         if step % args.ckpt_every == 0 or step == args.steps:

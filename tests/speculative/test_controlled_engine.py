@@ -123,11 +123,12 @@ def test_a_compute_bound_cost_curve_turns_speculation_off(tiny_dirs, greedy_refe
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_detached_sequences_stop_being_followed_and_stay_lossless(tiny_dirs, heads, greedy_reference, drafter):
-    """A compute-bound curve: no drafts ever, so after `detach_after` steps every sequence is
-    detached and its later steps carry no drafter work (draft=False); outputs unchanged."""
+    """A compute-bound curve: no drafts ever, and the batch rules them out, so after
+    `detach_hopeless` steps every sequence is detached and its later steps carry no drafter
+    work (draft=False); outputs unchanged."""
     ps = prompts(3, seed=9)
     steep = SpeculationController(Scripted(base=1.0, per_row=10.0, drafter=0.1),
-                                  ControllerConfig(relax=0.0, detach_after=4))
+                                  ControllerConfig(relax=0.0, detach_after=16, detach_hopeless=4))
     eng = build(tiny_dirs, heads, drafter, steep)
     plans = record_plans(eng)
     results = eng.generate(ps, SamplingParams(max_tokens=16, ignore_eos=True))
@@ -135,7 +136,7 @@ def test_detached_sequences_stop_being_followed_and_stay_lossless(tiny_dirs, hea
     assert eng.stats()["spec_detached"] == len(ps)
     followed = [sum(1 for p in plans for w in p.seqs if w.seq_id == s and w.draft and w.is_decode)
                 for s in {w.seq_id for p in plans for w in p.seqs}]
-    assert followed and all(n == 4 for n in followed), followed  # 4 plain choices, then detached
+    assert followed and all(n == 4 for n in followed), followed  # 4 hopeless plain choices, then detached
 
 
 def test_engine_default_controller_calibrates_and_stays_lossless(tiny_dirs, greedy_reference, tmp_path, monkeypatch):
