@@ -499,26 +499,59 @@ def bench_variant(client, prompt_ids: list[list[int]], max_tokens: int,
                   concurrencies: list[int], label: str, progress: bool = True,
                   kinds: list[str | None] | None = None) -> list[dict]:
     """One client (engine or server), every concurrency: metrics and outputs per concurrency."""
-    kinds = kinds or [None] * len(prompt_ids)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=False)
     # Warm-up: first-call costs (allocator, kernels, lazy imports) stay out of the timings.
     client.warm_up(prompt_ids[0])
-    runs = []
-    for c in concurrencies:
-        before = client.counters()
-        with _progress(len(prompt_ids), f"{label} c={c}", progress) as bar:
-            traces, wall = drive(client, prompt_ids, params, c, on_finish=bar.update)
-        rates = [r for r in map(decode_tokens_per_s, traces) if r is not None]
-        after = client.counters()
-        runs.append({"concurrency": c, **summarize(traces, wall),
-                     "decode_tokens_per_s": float(np.mean(rates)) if rates else None,
-                     **acceptance([t.stats for t in traces]), "by_kind": by_kind(traces, kinds),
-                     "device": device_timing(before, after), "prefix_cache": prefix_cache_use(before, after),
-                     "metrics_scrapes": after["metrics_scrapes"] - before["metrics_scrapes"]
-                     if "metrics_scrapes" in after else None,
-                     "outputs": [{"kind": k, "token_ids": t.token_ids, "finish_reason": t.finish_reason,
-                                  "stats": t.stats} for t, k in zip(traces, kinds)]})
-    return runs
+    return [bench_once(client, prompt_ids, max_tokens, c, label, progress, kinds) for c in concurrencies]
+
+
+def bench_once(client, prompt_ids: list[list[int]], max_tokens: int, c: int, label: str,
+               progress: bool = True, kinds: list[str | None] | None = None) -> dict:
+    """Every prompt through one client at concurrency c: the run's metrics and outputs."""
+    kinds = kinds or [None] * len(prompt_ids)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=False)
+    before = client.counters()
+    with _progress(len(prompt_ids), f"{label} c={c}", progress) as bar:
+        traces, wall = drive(client, prompt_ids, params, c, on_finish=bar.update)
+    rates = [r for r in map(decode_tokens_per_s, traces) if r is not None]
+    after = client.counters()
+    return {"concurrency": c, **summarize(traces, wall),
+            "decode_tokens_per_s": float(np.mean(rates)) if rates else None,
+            **acceptance([t.stats for t in traces]), "by_kind": by_kind(traces, kinds),
+            "device": device_timing(before, after), "prefix_cache": prefix_cache_use(before, after),
+            "metrics_scrapes": after["metrics_scrapes"] - before["metrics_scrapes"]
+            if "metrics_scrapes" in after else None,
+            "outputs": [{"kind": k, "token_ids": t.token_ids, "finish_reason": t.finish_reason,
+                         "stats": t.stats} for t, k in zip(traces, kinds)]}
+
+
+def bench_rounds(clients: list, labels: list[str], prompt_ids: list[list[int]], max_tokens: int,
+                 concurrencies: list[int], rounds: int, progress: bool = True,
+                 kinds: list[str | None] | None = None) -> list[list[dict]]:
+    """Every variant at every concurrency, `rounds` times, interleaved: round r runs each
+    concurrency for every variant back to back (starting from variant r, so no variant is
+    always first), so that a slow minute on a shared host falls on every variant alike
+    rather than on whichever ran then. Each (variant, concurrency) keeps its median round
+    (by tok/s) with every round's tok/s beside it (`rounds_tokens_per_s`), from which the
+    speedups are paired round by round (run_bench)."""
+    for client in clients:
+        client.warm_up(prompt_ids[0])
+    done: dict[tuple[int, int], list[dict]] = {}
+    for r in range(rounds):
+        order = [(i + r) % len(clients) for i in range(len(clients))]
+        for c in concurrencies:
+            for i in order:
+                run = bench_once(clients[i], prompt_ids, max_tokens, c, f"{labels[i]} (round {r + 1}/{rounds})",
+                                 progress, kinds)
+                done.setdefault((i, c), []).append(run)
+    out = []
+    for i in range(len(clients)):
+        runs = []
+        for c in concurrencies:
+            each = done[i, c]
+            median = sorted(each, key=lambda x: x["tokens_per_s"])[len(each) // 2]
+            runs.append({**median, "rounds_tokens_per_s": [x["tokens_per_s"] for x in each]})
+        out.append(runs)
+    return out
 
 
 @dataclass(frozen=True)
@@ -550,13 +583,18 @@ def compare_outputs(ours: list[list[int]], ref: list[list[int]], exact: bool = F
 
 def run_bench(variants: list[Variant | tuple[str, EngineConfig]], prompts: list[str | Prompt], max_tokens: int,
               concurrencies: list[int], compare_hf: bool = False, progress: bool = True,
-              make_engine: Callable[[EngineConfig], Engine] = Engine, shared_prefix: int = 0) -> dict:
+              make_engine: Callable[[EngineConfig], Engine] = Engine, shared_prefix: int = 0,
+              rounds: int = 1) -> dict:
     """Benchmark each variant in turn; speedups and identical outputs are relative to the
     first variant. `shared_prefix`: tokens of a common system prompt in front of every prompt.
+    rounds > 1: every variant is loaded at once and the runs are interleaved round by round
+    (bench_rounds); each speedup is then the median of the per-round ratios, with their range.
 
     The HF reference and the bandwidth efficiency use the first variant at the lowest
     concurrency (1 unless the caller left it out).
     """
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     variants = [v if isinstance(v, Variant) else Variant(*v) for v in variants]
     prompts = [p if isinstance(p, Prompt) else Prompt(p) for p in prompts]
     kinds = [p.kind for p in prompts]
@@ -571,32 +609,51 @@ def run_bench(variants: list[Variant | tuple[str, EngineConfig]], prompts: list[
         "variants": [],
         "hf": None,
     }
+    report["config"]["rounds"] = rounds
     prompt_ids: list[list[int]] | None = None
     model_dir = resolve_model_dir(variants[0].config.model, progress=progress)  # cached: no reconversion
-    for v in variants:
-        # 1. the engine or the server connection, and every concurrency on it
-        wbytes = None
+
+    def open_client(v: Variant):
+        """(client, closer, weight bytes or None): an in-process engine, or the daemon's connection."""
+        nonlocal prompt_ids
         if v.server is None:
             engine = make_engine(v.config)
-            client = EngineClient(engine)
             prompt_ids = prompt_ids or encode_prompts(engine.tokenizer, engine.max_model_len, prompts, shared_prefix)
-            wbytes = weight_bytes(engine.model)
-        else:
-            client = HttpClient(v.http, v.spec_on, v.http_token, v.scrape_s, stats_from=v.server) if v.http \
-                else ServerClient(v.server, v.spec_on)
-            if prompt_ids is None:
-                from overlap.models.loading import load_tokenizer
+            return EngineClient(engine), engine.close, weight_bytes(engine.model)
+        client = HttpClient(v.http, v.spec_on, v.http_token, v.scrape_s, stats_from=v.server) if v.http \
+            else ServerClient(v.server, v.spec_on)
+        if prompt_ids is None:
+            from overlap.models.loading import load_tokenizer
 
-                prompt_ids = encode_prompts(load_tokenizer(model_dir), v.config.scheduler.max_model_len, prompts,
-                                            shared_prefix)
+            prompt_ids = encode_prompts(load_tokenizer(model_dir), v.config.scheduler.max_model_len, prompts,
+                                        shared_prefix)
+        return client, client.close, None
+
+    # 1. the engines or server connections, and every concurrency on each: one variant at a
+    # time (its weights and KV pool freed before the next loads), or all at once, interleaved.
+    if rounds == 1:
+        measured = []
+        for v in variants:
+            client, close, wbytes = open_client(v)
+            try:
+                measured.append((bench_variant(client, prompt_ids, max_tokens, concurrencies, v.label, progress,
+                                               kinds), wbytes))
+            finally:
+                close()
+            del client
+    else:
+        opened = []
         try:
-            runs = bench_variant(client, prompt_ids, max_tokens, concurrencies, v.label, progress, kinds)
+            for v in variants:
+                opened.append(open_client(v))
+            all_runs = bench_rounds([o[0] for o in opened], [v.label for v in variants], prompt_ids, max_tokens,
+                                    concurrencies, rounds, progress, kinds)
         finally:
-            if v.server is not None:
-                client.close()
-            else:
-                engine.close()
-        del client  # free the engine's weights and KV pool before the next variant loads
+            for _, close, _ in opened:
+                close()
+        measured = [(runs, o[2]) for runs, o in zip(all_runs, opened)]
+        del opened
+    for v, (runs, wbytes) in zip(variants, measured):
         # 2. bandwidth floor for this variant's dtype (in-process variants: we know the weights)
         floor_ms = wbytes / report["bandwidth"]["copy_bytes_per_s"] * 1e3 if wbytes else None
         measured = next(r for r in runs if r["concurrency"] == base_c)["itl_mean_ms"]
@@ -612,6 +669,10 @@ def run_bench(variants: list[Variant | tuple[str, EngineConfig]], prompts: list[
         for r in v["runs"]:
             ref = base[r["concurrency"]]
             r["speedup"] = r["tokens_per_s"] / ref["tokens_per_s"]
+            if "rounds_tokens_per_s" in r:  # paired round by round: both ran within the same minute
+                ratios = [a / b for a, b in zip(r["rounds_tokens_per_s"], ref["rounds_tokens_per_s"])]
+                r["speedup"] = float(np.median(ratios))
+                r["speedup_rounds"] = ratios
             r["vs_baseline"] = None if i == 0 else compare_outputs(
                 [o["token_ids"] for o in r["outputs"]], [o["token_ids"] for o in ref["outputs"]], exact=True)
     report["config"]["prompt_tokens"] = [len(p) for p in prompt_ids or []]
@@ -650,6 +711,15 @@ def _device_cells(d: dict | None) -> list[str]:
     return [pct(d["device_idle_fraction"]), _fmt(d["plan_ms_per_step"], ".2f"), pct(d["plan_hidden_fraction"])]
 
 
+def _speedup_cell(run: dict) -> str:
+    """0.98x, or with rounds the median of the paired ratios and their range: 0.98x (0.95-1.02)."""
+    cell = _fmt(run["speedup"], ".2f") + "x"
+    ratios = run.get("speedup_rounds")
+    if ratios and len(ratios) > 1:
+        cell += f" ({min(ratios):.2f}-{max(ratios):.2f})"
+    return cell
+
+
 def format_report(report: dict) -> str:
     """The terminal table: one row per (variant, concurrency), then bandwidth and HF lines."""
     header = ["variant", "conc", "reqs", "out tok", "wall s", "tok/s", "req/s", "TTFT p50 ms",
@@ -662,7 +732,7 @@ def format_report(report: dict) -> str:
             rows.append([v["label"], str(r["concurrency"]), str(r["requests"]), str(r["output_tokens"]),
                          _fmt(r["wall_s"], ".2f"), _fmt(r["tokens_per_s"]), _fmt(r["requests_per_s"], ".2f"),
                          _fmt(r["ttft_p50_ms"]), _fmt(r["ttft_p99_ms"]), _fmt(r["itl_p50_ms"]),
-                         _fmt(r["itl_p99_ms"]), _fmt(r["speedup"], ".2f") + "x",
+                         _fmt(r["itl_p99_ms"]), _speedup_cell(r),
                          _fmt(r.get("acceptance_length"), ".2f"),
                          " ".join(f"{x:.2f}" for x in r.get("acceptance_per_position") or []) or "-",
                          _fmt(r.get("mean_k"), ".2f"),

@@ -2,7 +2,8 @@
 x position is unreadable past a few rows.
 
 Left: tokens/s against concurrency, one line per mode (speedups over the first mode are
-the ratios of these lines); a mode run with the speculation controller off is dashed. Middle: acceptance per draft position (the share of steps whose
+the ratios of these lines; with --rounds, the median round, bars spanning every round); a
+mode run with the speculation controller off is dashed. Middle: acceptance per draft position (the share of steps whose
 draft at that depth was accepted), one line per speculative mode at the lowest concurrency.
 Right, when the run compared the prefix cache on and off (`--shared-prefix N`): TTFT p50 of
 each mode and concurrency with the cache and without, on prompts that share N tokens.
@@ -34,8 +35,12 @@ def plot_report(report: dict, path: str | Path) -> None:
         colour = colours.setdefault(mode, f"C{len(colours)}")
         style = "o--" if "controller=off" in v["label"] else "o-"
         runs = sorted(v["runs"], key=lambda r: r["concurrency"])
-        speed.plot([r["concurrency"] for r in runs], [r["tokens_per_s"] for r in runs], style,
-                   color=colour, label=v["label"])
+        xs, ys = [r["concurrency"] for r in runs], [r["tokens_per_s"] for r in runs]
+        speed.plot(xs, ys, style, color=colour, label=v["label"])
+        if all(len(r.get("rounds_tokens_per_s") or []) > 1 for r in runs):  # --rounds: each round's spread
+            lo = [y - min(r["rounds_tokens_per_s"]) for y, r in zip(ys, runs)]
+            hi = [max(r["rounds_tokens_per_s"]) - y for y, r in zip(ys, runs)]
+            speed.errorbar(xs, ys, yerr=[lo, hi], fmt="none", ecolor=colour, capsize=3, alpha=0.7)
         per_pos = runs[0].get("acceptance_per_position")
         if per_pos:
             accept.plot(range(1, len(per_pos) + 1), per_pos, style, color=colour,

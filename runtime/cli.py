@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--concurrency", type=_positive_int, nargs="+", default=[1], metavar="C",
                        help="requests kept in flight; several values run one after another")
     bench.add_argument("--num-prompts", type=_positive_int, metavar="N", help="use the first N prompts")
+    bench.add_argument("--rounds", type=_positive_int, default=1, metavar="R",
+                       help="run every (mode, concurrency) R times, interleaved, all modes loaded at once: "
+                            "speedups are the median of the ratios paired round by round, shown with their "
+                            "range (the run's own noise band); default 1: one mode after another")
     bench.add_argument("--json", metavar="OUT", help="write the full report as JSON to OUT")
     bench.add_argument("--compare-hf", action="store_true",
                        help="also run transformers (batch 1) and compare speed and outputs")
@@ -483,7 +487,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # variant is the baseline for speedups and for the identical-outputs check.
     variants = _bench_variants(args)
     report = run_bench(variants, prompts, args.max_tokens, args.concurrency, compare_hf=args.compare_hf,
-                       make_engine=make_engine, shared_prefix=args.shared_prefix or 0)
+                       make_engine=make_engine, shared_prefix=args.shared_prefix or 0, rounds=args.rounds)
     print(format_report(report))
     if args.json:
         write_report(report, args.json)

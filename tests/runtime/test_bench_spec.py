@@ -121,3 +121,40 @@ def test_bench_cli_orders_none_first(tiny_dirs, cached_engines, tmp_path, capsys
     report = json.loads(out.read_text())
     assert [v["label"] for v in report["variants"]] == ["none", "ngram"]
     assert report["variants"][1]["runs"][0]["vs_baseline"]["identical"] == 3
+
+
+def test_rounds_interleave_the_modes_and_pair_their_ratios(tiny_dirs, monkeypatch, tmp_path):
+    """--rounds: every mode loaded at once, each (mode, concurrency) run once per round with
+    the modes back to back and the first mode rotating; speedups paired round by round."""
+    from runtime import bench
+
+    calls, real = [], bench.bench_once
+
+    def recording(client, prompt_ids, max_tokens, c, label, *a, **kw):
+        calls.append((label.split()[0], c))
+        return real(client, prompt_ids, max_tokens, c, label, *a, **kw)
+
+    monkeypatch.setattr(bench, "bench_once", recording)
+    variants = [(m, tiny_config(tiny_dirs, m)) for m in ("none", "ngram")]
+    report = run_bench(variants, PROMPTS, max_tokens=6, concurrencies=[1, 2], progress=False,
+                       make_engine=lambda c: Engine(c, progress=False), rounds=3)
+    assert calls == [("none", 1), ("ngram", 1), ("none", 2), ("ngram", 2),
+                     ("ngram", 1), ("none", 1), ("ngram", 2), ("none", 2),
+                     ("none", 1), ("ngram", 1), ("none", 2), ("ngram", 2)]
+    assert report["config"]["rounds"] == 3
+    base = {r["concurrency"]: r for r in report["variants"][0]["runs"]}
+    for r in report["variants"][1]["runs"]:
+        per_round = r["rounds_tokens_per_s"]
+        assert len(per_round) == 3 and r["tokens_per_s"] == sorted(per_round)[1]  # the median round
+        ratios = [a / b for a, b in zip(per_round, base[r["concurrency"]]["rounds_tokens_per_s"])]
+        assert r["speedup_rounds"] == pytest.approx(ratios)
+        assert r["speedup"] == pytest.approx(sorted(ratios)[1])
+        assert r["vs_baseline"]["identical"] == 3
+    table = format_report(report)
+    assert f"({min(ratios):.2f}-{max(ratios):.2f})" in table
+    from runtime.bench_plot import plot_report
+
+    plot_report(report, tmp_path / "rounds.png")  # each round's spread drawn as bars
+    assert (tmp_path / "rounds.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="rounds"):
+        run_bench(variants, PROMPTS, max_tokens=6, concurrencies=[1], progress=False, rounds=0)
