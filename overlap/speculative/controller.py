@@ -121,8 +121,9 @@ class StepCostModel:
         self.drafter_fraction = drafter_fraction
         self.alpha = alpha
         self.correction: dict[int, float] = {}  # bucket → observed / predicted (EMA), plain steps
-        # bucket of speculating sequences → [ms beyond the prediction, their mean count, steps seen]
-        self.overhead: dict[int, list[float]] = {}
+        # bucket of speculating sequences → its speculative steps: (ms beyond the prediction,
+        # sequences drafting), the last `window` of them; the first one is skipped (_Overhead)
+        self.overhead: dict[int, _Overhead] = {}
 
     @classmethod
     def from_report(cls, report: dict, drafter: str | None = None, batch=None) -> "StepCostModel":
@@ -143,7 +144,7 @@ class StepCostModel:
         # String keys: the stats travel as JSON too (HTTP, bench reports).
         return {"points": {str(r): ms for r, ms in zip(self.rows, self.ms)}, "drafter_fraction": self.drafter_fraction,
                 "correction": {str(1 << (b - 1)): c for b, c in sorted(self.correction.items())},
-                "spec_overhead_ms": {str(1 << (b - 1)): ms for b, (ms, _, _) in sorted(self.overhead.items())}}
+                "spec_overhead_ms": {str(1 << (b - 1)): o.ms for b, o in sorted(self.overhead.items()) if o.ready}}
 
     @staticmethod
     def _bucket(rows: int) -> int:
@@ -169,14 +170,15 @@ class StepCostModel:
         return self.drafter_fraction * self.step_ms(rows) if rows else 0.0
 
     def spec_overhead_ms(self, speculating: int) -> float:
-        if speculating <= 0 or not self.overhead:
+        seen = {b: o for b, o in self.overhead.items() if o.ready}
+        if speculating <= 0 or not seen:
             return 0.0
-        seen = self.overhead.get(self._bucket(speculating))
-        if seen is not None:  # its own bucket, per sequence within it
-            return seen[0] * speculating / seen[1]
+        own = seen.get(self._bucket(speculating))
+        if own is not None:  # its own bucket, per sequence within it
+            return own.ms * speculating / own.count
         # Unseen: linear between the seen buckets around it (and nothing for no sequence),
         # per sequence of the last one past it.
-        points = [(0.0, 0.0)] + sorted((count, ms) for ms, count, _ in self.overhead.values())
+        points = [(0.0, 0.0)] + sorted((o.count, o.ms) for o in seen.values())
         for (c0, m0), (c1, m1) in zip(points, points[1:]):
             if speculating <= c1:
                 return m0 + (m1 - m0) * (speculating - c0) / (c1 - c0)
@@ -190,11 +192,7 @@ class StepCostModel:
             predicted = self.step_ms(rows) + sum(self.drafter_ms(n) for n in drafter_rows if n)
             # Clamped like the ratio below: one stalled step must not rewrite the overhead.
             excess = min(max(ms - predicted, 0.0), predicted)
-            entry = self.overhead.setdefault(self._bucket(speculating), [0.0, 0.0, 0])
-            entry[2] += 1
-            weight = max(self.alpha, 1.0 / entry[2])  # a plain mean until the average takes over
-            entry[0] += weight * (excess - entry[0])
-            entry[1] += weight * (speculating - entry[1])
+            self.overhead.setdefault(self._bucket(speculating), _Overhead()).add(excess, speculating)
             return
         predicted = self._base(rows)
         if predicted <= 0:
@@ -203,6 +201,43 @@ class StepCostModel:
         ratio = min(4.0, max(0.25, ms / predicted))  # one stalled step must not rewrite the curve
         old = self.correction.get(b, 1.0)
         self.correction[b] = old + self.alpha * (ratio - old)
+
+
+@dataclass
+class _Overhead:
+    """The price of speculating in one bucket: the median of its last `window` speculative
+    steps' excess ms (and of their drafting sequences). The median, not an average, and the
+    bucket's first step skipped: the first speculative step of a kind pays one-time costs (a
+    first EAGLE tree step was measured at 57 ms against 14 predicted), and one such step,
+    averaged in, priced trees out for good: the controller never drafted again to unlearn it."""
+
+    window: int = 8
+    steps: int = 0
+    recent: list = field(default_factory=list)  # [(excess ms, speculating)]
+
+    def add(self, ms: float, speculating: int) -> None:
+        self.steps += 1
+        if self.steps == 1:
+            return
+        self.recent = (self.recent + [(ms, speculating)])[-self.window:]
+
+    @property
+    def ready(self) -> bool:
+        return bool(self.recent)
+
+    @property
+    def ms(self) -> float:
+        return _median([m for m, _ in self.recent])
+
+    @property
+    def count(self) -> float:
+        return _median([c for _, c in self.recent])
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 @dataclass

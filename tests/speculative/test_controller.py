@@ -243,3 +243,17 @@ def test_a_batch_that_rules_speculation_out_detaches_its_sequences_sooner():
         assert flat.choose([Candidate("a", chain_options(2))]) == [PLAIN]
         steps += 1
     assert steps == 16
+
+
+def test_the_price_of_speculating_ignores_a_first_step_and_stray_stalls():
+    """The first speculative step of a bucket pays one-time costs and is skipped; after that
+    the median of the recent steps: one stalled step does not price speculation out."""
+    cost = StepCostModel({1: 10.0, 16: 40.0})
+    cost.observe(9, [], cost.step_ms(9) + 14.0, speculating=1)  # a first tree step: slow once
+    assert cost.spec_overhead_ms(1) == 0.0 and cost.as_dict()["spec_overhead_ms"] == {}
+    for i in range(7):
+        cost.observe(9, [], cost.step_ms(9) + (14.0 if i == 3 else 2.0), speculating=1)
+    assert cost.spec_overhead_ms(1) == pytest.approx(2.0)
+    for _ in range(8):  # the price really rose: the window follows it
+        cost.observe(9, [], cost.step_ms(9) + 5.0, speculating=1)
+    assert cost.spec_overhead_ms(1) == pytest.approx(5.0)
