@@ -243,14 +243,19 @@ def _median(values: list[float]) -> float:
 @dataclass
 class Acceptance:
     """One sequence's per-position acceptance: a[m] = P(draft m accepted | drafts < m were),
-    an exponential average over the steps that verified position m."""
+    an exponential average over the steps that verified position m. A position not measured
+    yet reads from `base` (the population of every request: what an unknown request most
+    likely does) or, without one, the fixed `prior`."""
 
     prior: float
     alpha: float
     rates: list[float] = field(default_factory=list)
+    base: "Acceptance | None" = None
 
     def at(self, position: int) -> float:  # 1-based
-        return self.rates[position - 1] if position <= len(self.rates) else self.prior
+        if position <= len(self.rates):
+            return self.rates[position - 1]
+        return self.base.at(position) if self.base is not None else self.prior
 
     def expected_tokens(self, depth: int) -> float:
         """1 (the recovered or bonus token) + the expected accepted drafts of a chain `depth` long."""
@@ -265,25 +270,31 @@ class Acceptance:
         deeper positions were not tested, so they keep their estimate."""
         tested = min(num_drafts, num_accepted + 1)
         while len(self.rates) < tested:
-            self.rates.append(self.prior)
+            self.rates.append(self.at(len(self.rates) + 1))
         for m in range(1, tested + 1):
             hit = 1.0 if m <= num_accepted else 0.0
             self.rates[m - 1] += self.alpha * (hit - self.rates[m - 1])
 
     def relax(self, rate: float) -> None:
-        """A step without drafts: drift toward the prior, so a sequence turned off is tried
-        again eventually (its acceptance may have recovered) instead of never being measured."""
+        """A step without drafts: drift toward the population (or the prior), so a sequence
+        turned off is tried again eventually (its acceptance may have recovered) instead of
+        never being measured."""
         for m in range(len(self.rates)):
-            self.rates[m] += rate * (self.prior - self.rates[m])
+            toward = self.base.at(m + 1) if self.base is not None else self.prior
+            self.rates[m] += rate * (toward - self.rates[m])
 
 
 @dataclass(frozen=True)
 class ControllerConfig:
     enabled: bool = True  # off: every sequence verifies its cap (the fixed-k behaviour)
-    prior: float = 0.6  # acceptance assumed before a sequence has been measured
+    prior: float = 0.6  # acceptance assumed before any request has been measured
     alpha: float = 0.3  # weight of the newest step in a sequence's acceptance average
-    relax: float = 0.02  # per plain step, pull toward the prior (re-probing a turned-off sequence)
-    min_gain: float = 1.0 + 1e-6  # speculate only if the predicted rate beats plain decoding by this factor
+    population_alpha: float = 0.02  # ... in the average over every request (a new request's prior)
+    relax: float = 0.02  # per plain step, pull toward the population (re-probing a turned-off sequence)
+    # Speculate only if the predicted rate beats plain decoding by this factor: a margin for
+    # the cost model's error, which otherwise turns every predicted 1-4% gain into a loss
+    # (measured: mtp at concurrency 2-4 chose drafts and ran at 0.88-0.93x, docs/controller.md).
+    min_gain: float = 1.05
     detach_after: int = 16  # consecutive "no drafts" choices after which a sequence is detached (0: never)
     detach_hopeless: int = 3  # ... or this many of them in batches where speculation could not pay (0: never)
 
@@ -293,6 +304,8 @@ class SpeculationController:
         self.cost = cost
         self.config = config
         self.acceptance: dict[Hashable, Acceptance] = {}
+        # Every request's verified steps: what a request not measured yet is expected to do.
+        self.population = Acceptance(config.prior, config.population_alpha)
         self.chosen = Counter()  # k (verify rows) chosen per decoding sequence, over all steps
         self.steps = 0
         self.plain_streak: Counter = Counter()  # key → consecutive steps it was given no drafts
@@ -302,7 +315,7 @@ class SpeculationController:
     def _acc(self, key: Hashable) -> Acceptance:
         acc = self.acceptance.get(key)
         if acc is None:
-            acc = self.acceptance[key] = Acceptance(self.config.prior, self.config.alpha)
+            acc = self.acceptance[key] = Acceptance(self.config.prior, self.config.alpha, base=self.population)
         return acc
 
     # -- per step ----------------------------------------------------------------------------
@@ -353,12 +366,13 @@ class SpeculationController:
                 + self.cost.spec_overhead_ms(speculating))
 
     def _hopeless(self, option: SpecOption, rows: int, tokens: float) -> bool:
-        """Whether `option` for one sequence, with the acceptance of an average sequence (the
-        prior), would lose to plain decoding in a batch of `rows` rows producing `tokens`
+        """Whether `option` for one sequence, with the acceptance of an average request (the
+        population's), would lose to plain decoding in a batch of `rows` rows producing `tokens`
         tokens: the batch, not the sequence, rules speculation out."""
-        gain = Acceptance(self.config.prior, 0.0).expected_tokens(option.depth) - 1.0
+        gain = self.population.expected_tokens(option.depth) - 1.0
         levels = [1] * max(0, option.depth - 1)
-        return (tokens + gain) / self._time(rows + option.rows, levels, 1) <= tokens / self._time(rows, [], 0)
+        rate = (tokens + gain) / self._time(rows + option.rows, levels, 1)
+        return rate <= tokens / self._time(rows, [], 0) * self.config.min_gain
 
     def _search(self, candidates: list[Candidate], other_rows: int, other_tokens: int) -> list[SpecOption]:
         n = len(candidates)
@@ -405,6 +419,7 @@ class SpeculationController:
         """A sequence's verified step (num_drafts: drafts proposed, or the tree's depth)."""
         if num_drafts:
             self._acc(key).observe(num_drafts, num_accepted)
+            self.population.observe(num_drafts, num_accepted)
 
     def observe_step(self, rows: int, drafter_rows: list[int], seconds: float, speculating: int = 0) -> None:
         """A step's wall time; speculating: how many of its sequences drafted."""

@@ -173,7 +173,7 @@ def test_a_fixed_price_of_speculating_keeps_a_large_batch_plain():
     cands = [Candidate(i, chain_options(1)) for i in range(16)]
 
     def ks(overhead):
-        ctl = controller(Scripted(base=30.0, per_row=0.5, spec_overhead_ms=overhead))
+        ctl = controller(Scripted(base=30.0, per_row=0.5, spec_overhead_ms=overhead), min_gain=1.0 + 1e-6)
         for i in range(16):
             train(ctl, i, 1 if i == 0 else 0, k=1)  # only sequence 0's drafts land
         return [o.k for o in ctl.choose(cands)]
@@ -257,3 +257,22 @@ def test_the_price_of_speculating_ignores_a_first_step_and_stray_stalls():
     for _ in range(8):  # the price really rose: the window follows it
         cost.observe(9, [], cost.step_ms(9) + 5.0, speculating=1)
     assert cost.spec_overhead_ms(1) == pytest.approx(5.0)
+
+
+def test_a_gain_inside_the_cost_models_error_is_not_taken():
+    """min_gain: a predicted gain of a few percent is inside what the cost model gets wrong."""
+    for overhead, taken in ((9.2, False), (8.0, True)):  # 2 tokens in 19.2 ms: +4%; in 18 ms: +11%
+        ctl = controller(Scripted(base=10.0, per_row=0.0, spec_overhead_ms=overhead))
+        train(ctl, "a", 1, k=1)  # its draft always lands
+        assert (ctl.choose([Candidate("a", chain_options(1))])[0].k == 1) == taken, overhead
+    assert ControllerConfig().min_gain == 1.05
+
+
+def test_a_new_request_starts_from_what_every_request_did():
+    """A request not measured yet expects the population's acceptance, not a fixed prior."""
+    ctl = controller(Scripted(base=10.0, per_row=1.0))
+    for key in range(10):
+        train(ctl, key, 0, k=2, steps=30)  # every draft so far was rejected
+    assert ctl.population.at(1) < 0.1
+    assert ctl.choose([Candidate("new", chain_options(2))]) == [PLAIN]
+    assert ctl._acc("new").at(1) == ctl.population.at(1)
