@@ -26,6 +26,13 @@ chunk is written to a temporary name and renamed when complete; rerun the same c
                batch invariance the engine relies on: these are the states it will feed).
                2 cores: ~2-3k tokens/s.
 
+The generated parts take hours on 2 cores, and a machine's runs/ does not outlive it, so
+their token windows are also kept in the repository (--pack, default data/<target>-corpus for
+the shipped target; uint16, compressed, ~1 MB per 400k tokens): a chunk found in the pack is
+restored instead of generated, and every chunk generated is added to it. Commit the pack and
+the next machine continues where this one stopped. The pack records the generation settings
+and refuses a run with other ones.
+
 The layout (every file under --out):
   manifest.json                         settings, per-chunk token counts, timings
   <part>/<split>/chunk_NNNN.pt          {"ids": i32 [N], "offsets": i64 [W + 1]}
@@ -42,6 +49,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -82,8 +90,68 @@ def parse_args(argv=None):
     ap.add_argument("--forward-tokens", type=int, default=2048, help="tokens per target forward (states)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch and kernel threads (0: all cores); e.g. 1 for a states run beside a generation run")
+    ap.add_argument("--pack", default="auto",
+                    help="folder of the generated parts' windows kept in the repository "
+                         "(auto: data/smollm2-135m-corpus for the shipped target; none: no pack)")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------- 0. the pack
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_PACK = REPO / "data" / "smollm2-135m-corpus"
+# What decides the generated windows' content (the batch does not: our kernels are batch-invariant
+# and every sampled request has its own seed).
+GENERATION_SETTINGS = ("window", "chat_instructions", "chat_samples", "chat_tokens", "code_headers",
+                       "code_tokens", "temperature", "top_p", "chunk", "seed")
+
+
+class CorpusPack:
+    """The generated parts' windows kept where a commit keeps them: one compressed file of
+    uint16 ids and int64 offsets per chunk, <pack>/<part>/<split>/chunk_NNNN.npz."""
+
+    def __init__(self, folder: Path, args):
+        self.folder = Path(folder)
+        self.settings = {k: getattr(args, k) for k in GENERATION_SETTINGS}
+        path = self.folder / "settings.json"
+        if path.exists():
+            stored = json.loads(path.read_text())
+            if stored != self.settings:
+                changed = sorted(k for k in self.settings if stored.get(k) != self.settings[k])
+                raise SystemExit(f"the pack {self.folder} was generated with other settings ({', '.join(changed)}: "
+                                 f"{[stored.get(k) for k in changed]}): rerun with those, or --pack none")
+
+    def chunk(self, part: str, split: str, index: int) -> Path:
+        return self.folder / part / split / f"chunk_{index:04d}.npz"
+
+    def restore(self, part: str, split: str, index: int, dest: Path) -> int:
+        """Tokens restored into dest (a corpus chunk file), 0 when the pack lacks the chunk."""
+        path = self.chunk(part, split, index)
+        if not path.exists():
+            return 0
+        with np.load(path) as stored:
+            ids, offsets = stored["ids"].astype(np.int32), stored["offsets"]
+        save_windows(dest, [ids[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])])
+        return len(ids)
+
+    def store(self, part: str, split: str, index: int, windows: list[list[int]]) -> None:
+        ids = np.array([t for w in windows for t in w], dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= 1 << 16):
+            raise SystemExit("the pack keeps uint16 ids: this target's vocabulary is larger; use --pack none")
+        path = self.chunk(part, split, index)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (self.folder / "settings.json").write_text(json.dumps(self.settings, indent=2) + "\n")
+        offsets = np.cumsum([0] + [len(w) for w in windows], dtype=np.int64)
+        tmp = path.with_name(path.stem + ".tmp.npz")
+        np.savez_compressed(tmp, ids=ids.astype(np.uint16), offsets=offsets)
+        tmp.replace(path)
+
+
+def open_pack(args) -> CorpusPack | None:
+    if args.pack == "none" or (args.pack == "auto" and args.model is not None):
+        return None
+    return CorpusPack(DEFAULT_PACK if args.pack == "auto" else Path(args.pack), args)
 
 
 # ---------------------------------------------------------------------------- 1. corpus
@@ -139,7 +207,7 @@ def cut(sequence: list[int], window: int) -> list[list[int]]:
 
 
 def build_corpus(args, target: LlamaModel, tokenizer, out: Path, manifest: dict) -> None:
-    engine = None
+    engine, pack = None, open_pack(args)
     for part in args.parts:
         for split in SPLITS:
             folder = out / part / split
@@ -161,6 +229,12 @@ def build_corpus(args, target: LlamaModel, tokenizer, out: Path, manifest: dict)
             requests = requests_for(part, split, args)
             chunks = [requests[c: c + args.chunk] for c in range(0, len(requests), args.chunk)]
             todo = [i for i in range(len(chunks)) if not (folder / f"chunk_{i:04d}.pt").exists()]
+            if pack is not None:
+                restored = {i: pack.restore(part, split, i, folder / f"chunk_{i:04d}.pt") for i in todo}
+                if any(restored.values()):
+                    print(f"{part}/{split}: {sum(map(bool, restored.values()))} chunks "
+                          f"({sum(restored.values())} tokens) restored from {pack.folder}")
+                todo = [i for i in todo if not restored[i]]
             if not todo:
                 continue
             if engine is None:
@@ -171,7 +245,10 @@ def build_corpus(args, target: LlamaModel, tokenizer, out: Path, manifest: dict)
                        desc=f"{part}/{split}: generate ({len(todo)} of {len(chunks)} chunks left)")
             for i in todo:
                 sequences = generate(engine, chunks[i], max_tokens, bar)
-                save_windows(folder / f"chunk_{i:04d}.pt", [w for s in sequences for w in cut(s, args.window)])
+                windows = [w for s in sequences for w in cut(s, args.window)]
+                if pack is not None:
+                    pack.store(part, split, i, windows)
+                save_windows(folder / f"chunk_{i:04d}.pt", windows)
             bar.close()
             key = f"corpus {part}/{split}"
             manifest["timings"][key] = round(manifest["timings"].get(key, 0) + time.time() - started, 1)

@@ -122,3 +122,25 @@ def test_distill_a_draft_on_the_same_data_and_run_it_losslessly(data, tiny_dirs,
         finally:
             engine.close()
     assert outputs["draft"] == outputs["none"]
+
+
+def test_generated_windows_outlive_the_machine_in_the_pack(tiny_dirs, tmp_path, monkeypatch):
+    pack = tmp_path / "pack"
+    first, second = tmp_path / "first", tmp_path / "second"
+    corpus = ["--model", str(tiny_dirs["target"]), "--stage", "corpus", "--parts", "chat", "--pack", str(pack), *SMALL]
+    assert head_data.main([*corpus, "--out", str(first)]) == 0
+    stored = sorted(pack.glob("chat/*/chunk_*.npz"))
+    assert len(stored) == len(sorted(first.glob("chat/*/chunk_*.pt"))) > 1
+    # A new machine: every chunk comes back from the pack, the engine is never started.
+    stored[-1].unlink()  # ...but for one, which the new machine generates (and adds to the pack)
+    started = []
+    make_engine = head_data.make_engine
+    monkeypatch.setattr(head_data, "make_engine", lambda *a: started.append(1) or make_engine(*a))
+    assert head_data.main([*corpus, "--out", str(second)]) == 0
+    assert started == [1] and stored[-1].exists()
+    for path in sorted(first.glob("chat/*/chunk_*.pt")):
+        a, b = torch.load(path), torch.load(second / path.relative_to(first))
+        assert torch.equal(a["ids"], b["ids"]) and torch.equal(a["offsets"], b["offsets"])
+    # Other generation settings would mix two corpora: refused, saying which.
+    with pytest.raises(SystemExit, match="chat_tokens"):
+        head_data.main([*corpus, "--out", str(tmp_path / "third"), "--chat-tokens", "12"])
