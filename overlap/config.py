@@ -94,9 +94,10 @@ class SpecConfig:
     tree_topk: int = 2  # eagle: children per node at most
     tree_tokens: int = 8  # eagle: nodes verified per step
     tree: str = "static"  # eagle: static (fixed shape) | dynamic (EAGLE-2)
-    # mtp / eagle: the head scores only the N most frequent tokens (0: the full vocabulary);
+    # mtp / eagle: the head scores only the N most frequent tokens (0: the full vocabulary;
+    # None: the head's own choice, its config's `draft_vocab`, 8,192 for the shipped head);
     # verification stays over the full vocabulary, so outputs do not change.
-    draft_vocab: int = 0
+    draft_vocab: int | None = None
     ngram_min: int = 1
     ngram_max: int = 3
     # on: a cost-model controller chooses each sequence's drafts (or tree) per step, never

@@ -112,7 +112,8 @@ def _add_engine_options(p: argparse.ArgumentParser, bench: bool = False) -> None
     g.add_argument("--tree-tokens", type=_positive_int, metavar="N", help="--spec eagle: tree nodes (default 8)")
     g.add_argument("--draft-vocab", type=int, metavar="N",
                    help="--spec mtp/eagle: the head scores only the N most frequent tokens (FR-Spec; e.g. 8192), "
-                        "a cheaper draft step; 0 = the full vocabulary (default). Outputs do not change")
+                        "a cheaper draft step; 0 = the full vocabulary; default: the head's own (its config's "
+                        "draft_vocab: 8192 for the shipped head). Outputs do not change")
     g.add_argument("--tree", choices=("static", "dynamic"),
                    help="--spec eagle: a fixed tree shape, or EAGLE-2's dynamic one (default: static)")
     g.add_argument("--speculation-controller", choices=("on", "off"), nargs="+" if bench else None,

@@ -75,7 +75,7 @@ def measure(model: LlamaModel, config: EngineConfig = EngineConfig(), context: i
         return model(ids, pos, backend, kv, meta, rows)
 
     report: dict = {"context": context, "repeats": repeats, "machine": machine(), "target": {}, "ratio": {},
-                    "head_vocab": config.spec.draft_vocab or vocab}
+                    "head_vocab": None}
     for batch in BATCHES:
         costs = {}
         for rows in ROWS:
@@ -86,6 +86,7 @@ def measure(model: LlamaModel, config: EngineConfig = EngineConfig(), context: i
         report["ratio"][batch] = {rows: costs[rows] / costs[1] for rows in ROWS}
 
     head = load_head(head_dir or default_head_dir(), model, draft_vocab=config.spec.draft_vocab)
+    report["head_vocab"] = len(head.vocab_ids) if head.vocab_ids is not None else vocab
     head_kv = head.new_kv_pool(_pool_pages(context, page), page)
     hidden = torch.randn(max(BATCHES), model.cfg.hidden_size).to(model.dtype)
 

@@ -7,7 +7,8 @@ Counts tokens of the training split of the Python standard library (tools/corpus
 held-out files, and pip / site-packages, are never read) and of the chat instructions the
 head's self-distillation uses, in SmolLM2's chat template. Writes token_ranks.safetensors
 (`ranked_ids` [V] i32: every token id, most frequent first, ties by id) into --out; load_head
-reads it when SpecConfig.draft_vocab > 0. Verification stays over the full vocabulary, so
+reads it when SpecConfig.draft_vocab > 0, and --default N records N in the head's
+config.json as the size it drafts with unless told otherwise. Verification stays over the full vocabulary, so
 the choice of N changes speed and acceptance, never the output.
 """
 
@@ -39,6 +40,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="the head's directory")
     ap.add_argument("--model", default=None, help="target (default: the shipped SmolLM2-135M-Instruct)")
+    ap.add_argument("--default", type=int, default=8192, metavar="N",
+                    help="the draft vocabulary the head uses when a run names none (its config.json's "
+                         "draft_vocab; 8192 measured best for the shipped head, docs/mtp_eagle.md; 0: full)")
     args = ap.parse_args(argv)
     model_dir = resolve_model_dir(args.model, progress=True)
     tokenizer = load_tokenizer(model_dir)
@@ -54,6 +58,13 @@ def main(argv=None) -> int:
 
     out = Path(args.out) / "token_ranks.safetensors"
     save_file({"ranked_ids": torch.tensor(order, dtype=torch.int32)}, str(out))
+    config = Path(args.out) / "config.json"
+    if config.exists():
+        import json
+
+        raw = json.loads(config.read_text())
+        raw["draft_vocab"] = args.default
+        config.write_text(json.dumps(raw, indent=2))
     covered = {n: float(counts[torch.tensor(order[:n])].sum() / counts.sum()) for n in (2048, 4096, 8192, 16384)}
     print(f"wrote {out}: {int(counts.sum())} tokens counted; share of them in the top N: "
           + ", ".join(f"{n}: {c:.3f}" for n, c in covered.items()))

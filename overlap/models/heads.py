@@ -245,10 +245,13 @@ def save_head(head: MTPHead, out_dir, extra: dict | None = None) -> Path:
     return out
 
 
-def load_head(head_dir, target: LlamaModel, dtype: torch.dtype | None = None, draft_vocab: int = 0) -> MTPHead:
+def load_head(head_dir, target: LlamaModel, dtype: torch.dtype | None = None,
+              draft_vocab: int | None = None) -> MTPHead:
     """An inference head for this target (its dtype and device unless dtype is given).
     draft_vocab N > 0: the head scores only the N most frequent tokens of its training text
-    (token_ranks.safetensors in head_dir, from tools/token_ranks.py)."""
+    (token_ranks.safetensors in head_dir, from tools/token_ranks.py); 0: every token; None:
+    what the head's config.json says (`draft_vocab`, chosen by measurement for that head),
+    else every token."""
     from safetensors.torch import load_file
 
     head_dir = Path(head_dir)
@@ -270,6 +273,8 @@ def load_head(head_dir, target: LlamaModel, dtype: torch.dtype | None = None, dr
     if missing or unexpected:
         raise ValueError(f"MTP head {head_dir}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     head.requires_grad_(False)
+    if draft_vocab is None:
+        draft_vocab = int(raw.get("draft_vocab") or 0)
     if draft_vocab:
         head.trim_vocabulary(load_token_ranks(head_dir, cfg.vocab_size)[:draft_vocab])
     return head.eval()

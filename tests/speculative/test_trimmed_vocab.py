@@ -60,3 +60,34 @@ def test_sampling_with_a_trimmed_vocabulary_keeps_the_target_law(tiny_dirs, head
     head_dir = trimmed_head(heads["target_v6"], tmp_path, [0, 1, 2, 3, 4, 5])
     eng = engine(tiny_dirs, head_dir, "target_v6", draft_vocab=4, k=3, num_pages=4096)
     check_engine_law(eng, SamplingParams(temperature=1.0), 4000, length=5, depth=3)
+
+
+def test_a_head_drafts_with_its_own_vocabulary_unless_told(tiny_dirs, heads, tmp_path):
+    """SpecConfig.draft_vocab None: the head's config.json decides (the size measured best for
+    that head; 8,192 for the shipped one); 0 asks for every token; N for N."""
+    import json
+
+    ranked = torch.randperm(49152, generator=torch.Generator().manual_seed(1)).tolist()
+    head_dir = trimmed_head(heads["target"], tmp_path, ranked)
+    eng = engine(tiny_dirs, head_dir, "target", draft_vocab=0)
+    assert load_head(head_dir, eng.model).vocab_ids is None  # the config names none: every token
+    config = json.loads((head_dir / "config.json").read_text())
+    (head_dir / "config.json").write_text(json.dumps({**config, "draft_vocab": 300}))
+    assert len(load_head(head_dir, eng.model).vocab_ids) == 300
+    assert load_head(head_dir, eng.model, draft_vocab=0).vocab_ids is None
+    assert len(load_head(head_dir, eng.model, draft_vocab=50).vocab_ids) == 50
+    # And the engine takes it when its spec names no size.
+    default = Engine(EngineConfig(model=str(tiny_dirs["target"]), spec=SpecConfig(
+        controller="off", method="mtp", num_spec_tokens=2, head=str(head_dir))), progress=False)
+    try:
+        assert len(default.executor.proposer.head.vocab_ids) == 300
+    finally:
+        default.close()
+
+
+def test_the_shipped_head_drafts_with_8192_tokens():
+    import json
+
+    from overlap.config import default_head_dir
+
+    assert json.loads((default_head_dir() / "config.json").read_text())["draft_vocab"] == 8192
