@@ -26,6 +26,22 @@ SMALL = ["--code-train-tokens", "3000", "--code-eval-tokens", "800", "--chat-ins
          "--window", "65"]
 
 
+def greedy_equals_plain(tiny_dirs, spec: SpecConfig) -> Engine:
+    """Asserts that the tiny target decodes the same tokens greedily with this drafter as
+    without; returns the (closed) speculating engine for further checks."""
+    prompts = ["def add(a, b):", "The capital of France is"]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    outputs = []
+    for config in (SpecConfig(method="none"), spec):
+        engine = Engine(EngineConfig(model=str(tiny_dirs["target"]), spec=config), progress=False)
+        try:
+            outputs.append([r.token_ids for r in engine.generate(prompts, params)])
+        finally:
+            engine.close()
+    assert outputs[1] == outputs[0]
+    return engine
+
+
 @pytest.fixture(scope="module")
 def data(tiny_dirs, tmp_path_factory):
     out = tmp_path_factory.mktemp("head_data") / "data"
@@ -80,19 +96,8 @@ def test_train_on_data_and_run_the_head_losslessly(data, tiny_dirs, tmp_path, fe
     head = load_head(out, target)
     assert head.feature_layers == ((0, 1) if features == "multi" else ())
     # Lossless in the engine: greedy output with the head drafting equals plain decoding.
-    prompts = ["def add(a, b):", "The capital of France is"]
-    params = SamplingParams(max_tokens=24, temperature=0.0)
-    outputs = {}
-    for method in ("none", "mtp"):
-        spec = SpecConfig(method=method, num_spec_tokens=3, head=str(out) if method == "mtp" else None)
-        engine = Engine(EngineConfig(model=str(tiny_dirs["target"]), spec=spec), progress=False)
-        try:
-            outputs[method] = [r.token_ids for r in engine.generate(prompts, params)]
-            if method == "mtp":
-                assert engine.model.feature_layers == head.feature_layers
-        finally:
-            engine.close()
-    assert outputs["mtp"] == outputs["none"]
+    engine = greedy_equals_plain(tiny_dirs, SpecConfig(method="mtp", num_spec_tokens=3, head=str(out)))
+    assert engine.model.feature_layers == head.feature_layers
 
 
 def test_distill_a_draft_on_the_same_data_and_run_it_losslessly(data, tiny_dirs, tmp_path):
@@ -111,17 +116,7 @@ def test_distill_a_draft_on_the_same_data_and_run_it_losslessly(data, tiny_dirs,
         chat["ids"][: int(chat["offsets"][1])].tolist()
     # Labels were saved in pieces: a rerun reuses them (and the finished parts) and resumes.
     assert list((work / "part_chat_train_top32.pieces").glob("*.pt"))
-    prompts = ["def add(a, b):", "The capital of France is"]
-    params = SamplingParams(max_tokens=24, temperature=0.0)
-    outputs = {}
-    for method in ("none", "draft"):
-        spec = SpecConfig(method=method, num_spec_tokens=3, draft_model=str(out) if method == "draft" else None)
-        engine = Engine(EngineConfig(model=str(tiny_dirs["target"]), spec=spec), progress=False)
-        try:
-            outputs[method] = [r.token_ids for r in engine.generate(prompts, params)]
-        finally:
-            engine.close()
-    assert outputs["draft"] == outputs["none"]
+    greedy_equals_plain(tiny_dirs, SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(out)))
 
 
 def test_generated_windows_outlive_the_machine_in_the_pack(tiny_dirs, tmp_path, monkeypatch):
