@@ -74,8 +74,7 @@ def measure(model: LlamaModel, config: EngineConfig = EngineConfig(), context: i
     def target(ids, pos, meta, rows):
         return model(ids, pos, backend, kv, meta, rows)
 
-    report: dict = {"context": context, "repeats": repeats, "machine": machine(), "target": {}, "ratio": {},
-                    "head_vocab": None}
+    report: dict = {"context": context, "repeats": repeats, "machine": machine(), "target": {}, "ratio": {}}
     for batch in BATCHES:
         costs = {}
         for rows in ROWS:

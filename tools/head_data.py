@@ -28,7 +28,7 @@ chunk is written to a temporary name and renamed when complete; rerun the same c
 
 The generated parts take hours on 2 cores, and a machine's runs/ does not outlive it, so
 their token windows are also kept in the repository (--pack, default data/<target>-corpus for
-the shipped target; uint16, compressed, ~1 MB per 400k tokens): a chunk found in the pack is
+the shipped target; uint16, compressed, ~1 MB per 1.2M tokens): a chunk found in the pack is
 restored instead of generated, and every chunk generated is added to it. Commit the pack and
 the next machine continues where this one stopped. The pack records the generation settings
 and refuses a run with other ones.
@@ -131,8 +131,8 @@ class CorpusPack:
         if not path.exists():
             return 0
         with np.load(path) as stored:
-            ids, offsets = stored["ids"].astype(np.int32), stored["offsets"]
-        save_windows(dest, [ids[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:])])
+            ids, offsets = torch.from_numpy(stored["ids"].astype(np.int32)), torch.from_numpy(stored["offsets"])
+        save_chunk(dest, ids, offsets)
         return len(ids)
 
     def store(self, part: str, split: str, index: int, windows: list[list[int]]) -> None:
@@ -141,7 +141,9 @@ class CorpusPack:
             raise SystemExit("the pack keeps uint16 ids: this target's vocabulary is larger; use --pack none")
         path = self.chunk(part, split, index)
         path.parent.mkdir(parents=True, exist_ok=True)
-        (self.folder / "settings.json").write_text(json.dumps(self.settings, indent=2) + "\n")
+        settings = self.folder / "settings.json"
+        if not settings.exists():  # the first chunk stored; __init__ checked any earlier one
+            settings.write_text(json.dumps(self.settings, indent=2) + "\n")
         offsets = np.cumsum([0] + [len(w) for w in windows], dtype=np.int64)
         tmp = path.with_name(path.stem + ".tmp.npz")
         np.savez_compressed(tmp, ids=ids.astype(np.uint16), offsets=offsets)
@@ -270,9 +272,13 @@ def make_engine(args, target, tokenizer):
 
 def save_windows(path: Path, windows: list[list[int]]) -> None:
     lengths = torch.tensor([0] + [len(w) for w in windows])
-    data = {"ids": torch.tensor([t for w in windows for t in w], dtype=torch.int32), "offsets": lengths.cumsum(0)}
+    save_chunk(path, torch.tensor([t for w in windows for t in w], dtype=torch.int32), lengths.cumsum(0))
+
+
+def save_chunk(path: Path, ids: torch.Tensor, offsets: torch.Tensor) -> None:
+    """A corpus chunk file: ids i32 [N], offsets i64 [W + 1] (renamed into place when whole)."""
     tmp = path.with_suffix(".tmp")
-    torch.save(data, tmp)
+    torch.save({"ids": ids, "offsets": offsets}, tmp)
     tmp.replace(path)
 
 

@@ -8,13 +8,14 @@ held-out files, and pip / site-packages, are never read) and of the chat instruc
 head's self-distillation uses, in SmolLM2's chat template. Writes token_ranks.safetensors
 (`ranked_ids` [V] i32: every token id, most frequent first, ties by id) into --out; load_head
 reads it when SpecConfig.draft_vocab > 0, and --default N records N in the head's
-config.json as the size it drafts with unless told otherwise. Verification stays over the full vocabulary, so
-the choice of N changes speed and acceptance, never the output.
+config.json as the size it drafts with unless told otherwise. Verification stays over the
+full vocabulary, so the choice of N changes speed and acceptance, never the output.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -60,8 +61,6 @@ def main(argv=None) -> int:
     save_file({"ranked_ids": torch.tensor(order, dtype=torch.int32)}, str(out))
     config = Path(args.out) / "config.json"
     if config.exists():
-        import json
-
         raw = json.loads(config.read_text())
         raw["draft_vocab"] = args.default
         config.write_text(json.dumps(raw, indent=2))

@@ -2,13 +2,14 @@
 never the output: greedy equals plain decoding, and sampling keeps the target's law even
 when the trimmed set excludes tokens the target produces."""
 
+import json
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from overlap.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from overlap.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig, default_head_dir
 from overlap.models.heads import load_head
 from runtime.engine import Engine
 from runtime.messages import SamplingParams
@@ -65,8 +66,6 @@ def test_sampling_with_a_trimmed_vocabulary_keeps_the_target_law(tiny_dirs, head
 def test_a_head_drafts_with_its_own_vocabulary_unless_told(tiny_dirs, heads, tmp_path):
     """SpecConfig.draft_vocab None: the head's config.json decides (the size measured best for
     that head; 8,192 for the shipped one); 0 asks for every token; N for N."""
-    import json
-
     ranked = torch.randperm(49152, generator=torch.Generator().manual_seed(1)).tolist()
     head_dir = trimmed_head(heads["target"], tmp_path, ranked)
     eng = engine(tiny_dirs, head_dir, "target", draft_vocab=0)
@@ -86,8 +85,4 @@ def test_a_head_drafts_with_its_own_vocabulary_unless_told(tiny_dirs, heads, tmp
 
 
 def test_the_shipped_head_drafts_with_8192_tokens():
-    import json
-
-    from overlap.config import default_head_dir
-
     assert json.loads((default_head_dir() / "config.json").read_text())["draft_vocab"] == 8192
