@@ -45,3 +45,15 @@ def test_fused_ops_rows_do_not_depend_on_the_batch():
     for i in (0, 16, 32):
         assert torch.equal(kernels.rms_norm(x[i: i + 1], w, 1e-5), kernels.rms_norm(x, w, 1e-5)[i: i + 1])
         assert torch.equal(kernels.silu_mul(gate_up[i: i + 1]), kernels.silu_mul(gate_up)[i: i + 1])
+
+
+def test_silu_mul_vector_body_and_scalar_tail_give_the_same_bits():
+    """SwiGLU runs 16 lanes at a time where the CPU has AVX-512 and the rest of a row one by
+    one: a value must come out the same in either (else a token's result would depend on the
+    intermediate width's remainder)."""
+    inter = 16 + 8  # one vector body, an 8-element tail
+    special = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 90.0, -90.0, 1e-30])
+    gate = torch.cat([special, _bf16(1, 8, seed=9)[0].float() * 4, special])
+    up = torch.cat([_bf16(1, 8, seed=10)[0].float()] * 3)
+    got = kernels.silu_mul(torch.cat([gate, up]).to(torch.bfloat16)[None])[0]
+    assert torch.equal(got[:8].view(torch.int16), got[16:].view(torch.int16))
