@@ -30,6 +30,8 @@ Stages (each cached and resumable; what they cost on 2 cores of a Sapphire Rapid
                + train_report.json.
 
 --no-norms trains the original-EAGLE layout (no norms around the fuse) for the ablation.
+--init-head DIR starts from an exported head (e.g. the shipped one, on a larger corpus)
+instead of a random layer.
 """
 
 from __future__ import annotations
@@ -105,6 +107,9 @@ def parse_args(argv=None):
     ap.add_argument("--init-layer", type=int, default=None,
                     help="start the layer as a copy of this target layer and the fuse as the mean of "
                          "its inputs (default: random, EAGLE's start; it trained faster in a pilot)")
+    ap.add_argument("--init-head", default=None,
+                    help="start from this exported head's weights (continued training on more data: "
+                         "its features and norms must match this run's)")
     ap.add_argument("--fp32", action="store_true", help="no bf16 autocast")
     ap.add_argument("--ckpt-every", type=int, default=100)
     ap.add_argument("--resume", action="store_true", help="continue from the variant's checkpoint")
@@ -296,6 +301,26 @@ def init_head(head: MTPHead, target: LlamaModel, layer: int | None, seed: int) -
             p.copy_(src.get_parameter(name).float())
 
 
+def start_from_head(head: MTPHead, head_dir: Path) -> None:
+    """Copy an exported head's weights (bf16) into this f32 head: continued training, e.g.
+    the shipped head on a larger corpus. Its layout must be this run's."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((head_dir / "config.json").read_text())
+    if bool(cfg.get("norms", True)) != head.norms or tuple(cfg.get("feature_layers") or ()) != head.feature_layers:
+        raise SystemExit(f"--init-head {head_dir}: norms={cfg.get('norms')}, feature_layers="
+                         f"{cfg.get('feature_layers')}; this run: norms={head.norms}, "
+                         f"feature_layers={list(head.feature_layers)}")
+    weights = load_file(str(head_dir / "model.safetensors"))
+    own = head.state_dict()
+    if set(weights) != set(own) or any(weights[k].shape != own[k].shape for k in own):
+        raise SystemExit(f"--init-head {head_dir}: its weights do not fit this head "
+                         f"(hidden size or vocabulary of another target?)")
+    with torch.no_grad():
+        for name, value in weights.items():
+            own[name].copy_(value.float())
+
+
 def loss_terms(head: MTPHead, lm_rows: torch.Tensor, batch, args):
     """(loss, {reg, kl, acc, kl_d, acc_d}) of one batch, unrolled `--ttt-depth` steps
     (EAGLE-3 / HASS training-time test).
@@ -355,7 +380,7 @@ def rows_per_window(args) -> int:
 
 def train_signature(args) -> dict:
     keys = ("norms", "seq_len", "crop", "batch_size", "lr", "warmup", "steps", "reg_weight", "kl_weight",
-            "init_layer", "fp32", "seed", "self_weight", "loss_vocab", "features", "ttt_depth", "depth_decay", "data")
+            "init_layer", "init_head", "fp32", "seed", "self_weight", "loss_vocab", "features", "ttt_depth", "depth_decay", "data")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -569,7 +594,10 @@ def main(argv=None) -> int:
     layers = (tuple(parts[names[0], "train"].feature_layers) if args.data
               else default_feature_layers(target.cfg.num_layers)) if multi else ()
     head = MTPHead(target.cfg, target, norms=args.norms, dtype=torch.float32, feature_layers=layers)
-    init_head(head, target, args.init_layer, args.seed)
+    if args.init_head:
+        start_from_head(head, Path(args.init_head))
+    else:
+        init_head(head, target, args.init_layer, args.seed)
     variant = variant_name(args)
     t0 = time.time()
     vocab_ids = loss_vocab(train_data, target.cfg.vocab_size, args.loss_vocab)
@@ -598,7 +626,8 @@ def main(argv=None) -> int:
         "train": {"steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
                   "crop": rows_per_window(args), "lr": args.lr,
                   "warmup": args.warmup, "loss_vocab": len(vocab_ids), "reg_weight": args.reg_weight, "kl_weight": args.kl_weight,
-                  "init": "random" if args.init_layer is None else f"target layer {args.init_layer}", "autocast": "off (f32)" if args.fp32 else "bf16",
+                  "init": (f"head {args.init_head}" if args.init_head else
+                           "random" if args.init_layer is None else f"target layer {args.init_layer}"), "autocast": "off (f32)" if args.fp32 else "bf16",
                   "seed": args.seed, "threads": torch.get_num_threads(),
                   "final": {k: round(sum(h[k] for h in tail) / len(tail), 4) for k in tail[0]},
                   "curve": curve_summary(history)},

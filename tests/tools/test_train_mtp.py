@@ -135,3 +135,17 @@ def test_engine_validation_device_is_checked_before_training(setup):
         train_mtp.main(["--out", str(setup[0] / "never"), "--engine-validate", "2",
                         "--attention-backend", "flashinfer"])
     assert not (setup[0] / "never").exists()
+
+
+def test_training_continues_from_an_exported_head(setup):
+    """--init-head starts from an exported head's weights: with a zero learning rate the
+    continued run exports exactly the head it started from; a head of another layout is refused."""
+    root = setup[0]
+    run(setup, "base", "--steps", "5")
+    continued = run(setup, "continued", "--steps", "2", "--lr", "0", "--init-head", str(root / "base"))
+    assert continued["train"]["init"] == f"head {root / 'base'}"
+    a = load_file(str(root / "base" / "model.safetensors"))
+    b = load_file(str(root / "continued" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(SystemExit, match="norms"):
+        run(setup, "mismatch", "--steps", "2", "--no-norms", "--init-head", str(root / "base"))
