@@ -310,8 +310,10 @@ def write_raw(path: Path, tensor: torch.Tensor) -> None:
 def build_states(args, target: LlamaModel, out: Path, manifest: dict) -> None:
     layers = tuple(manifest["feature_layers"])
     backend = make_backend("auto", "cpu")
-    todo = [p for part in args.parts for split in SPLITS for p in sorted((out / part / split).glob("chunk_*.pt"))
-            if not p.with_suffix(".features").exists()]
+    # Held-out splits first (small): a run stopped early, or a training started on the train
+    # chunks done so far, can already be evaluated on every part.
+    todo = [p for split in sorted(SPLITS, key=lambda s: s != "eval") for part in args.parts
+            for p in sorted((out / part / split).glob("chunk_*.pt")) if not p.with_suffix(".features").exists()]
     total = sum(int(torch.load(p)["offsets"][-1]) for p in todo)
     bar = tqdm(total=total, unit="tok", desc=f"target states ({len(todo)} chunks)")
     started = time.time()
