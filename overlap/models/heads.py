@@ -172,7 +172,16 @@ class MTPHead(nn.Module):
 
     def dense_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., hidden] → logits [..., vocab] (autograd flows to hidden, not lm_head)."""
-        return _dense_linear(hidden, self.lm_head)
+        weight = self.lm_head
+        if not torch.is_autocast_enabled(hidden.device.type) and hidden.dtype != weight.dtype:
+            # f32 training / evaluation: one f32 copy of the frozen lm_head, kept (casting it per
+            # call copied 113 MB for SmolLM2 every time: most of an evaluation's time).
+            cached = getattr(self, "_lm_head_cast", None)
+            if cached is None or cached[0] is not weight or cached[1].dtype != hidden.dtype:
+                cached = (weight, weight.detach().to(hidden.dtype))
+                self._lm_head_cast = cached
+            weight = cached[1]
+        return _dense_linear(hidden, weight)
 
 
 def _dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

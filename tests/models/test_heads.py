@@ -197,3 +197,19 @@ def test_bf16_inference_is_batch_invariant():
     _, both = head(torch.tensor(a[1:] + b[1:]), torch.cat([ha[:-1], hb[:-1]]),
                    torch.cat([torch.arange(5), torch.arange(8)]), backend, kv, meta, torch.arange(13))
     assert torch.equal(both[:5], alone_a) and torch.equal(both[5:], alone_b)
+
+
+def test_f32_dense_logits_over_a_bf16_target_cast_its_lm_head_once():
+    """Training and evaluation run the head in f32 over a bf16 target's frozen lm_head: the
+    logits are those of the f32 lm_head, from one kept copy (not a 100+ MB cast per call),
+    made again when the target's lm_head tensor is another one."""
+    target = tiny_target(dtype=torch.bfloat16)
+    head = MTPHead(target.cfg, target, dtype=torch.float32)
+    hidden = torch.randn(3, 5, target.cfg.hidden_size)
+    want = hidden @ head.lm_head.float().T
+    assert torch.equal(head.dense_logits(hidden), want)
+    copy = head._lm_head_cast[1]
+    head.dense_logits(hidden)
+    assert head._lm_head_cast[1] is copy
+    head.lm_head = head.lm_head * 2
+    assert torch.allclose(head.dense_logits(hidden), 2 * want)
