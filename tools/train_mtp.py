@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from corpus import chat_instructions  # noqa: E402
 from overlap.attention import ReferenceBackend  # noqa: E402
-from overlap.models.heads import MTPHead, save_head  # noqa: E402
+from overlap.models.heads import MTPHead, load_head, save_head  # noqa: E402
 from overlap.models.llama import LlamaModel, default_feature_layers, load_llama  # noqa: E402
 from overlap.models.loading import load_tokenizer, resolve_model_dir  # noqa: E402
 
@@ -303,24 +303,16 @@ def init_head(head: MTPHead, target: LlamaModel, layer: int | None, seed: int) -
             p.copy_(src.get_parameter(name).float())
 
 
-def start_from_head(head: MTPHead, head_dir: Path) -> None:
-    """Copy an exported head's weights (bf16) into this f32 head: continued training, e.g.
-    the shipped head on a larger corpus. Its layout must be this run's."""
-    from safetensors.torch import load_file
-
-    cfg = json.loads((head_dir / "config.json").read_text())
-    if bool(cfg.get("norms", True)) != head.norms or tuple(cfg.get("feature_layers") or ()) != head.feature_layers:
-        raise SystemExit(f"--init-head {head_dir}: norms={cfg.get('norms')}, feature_layers="
-                         f"{cfg.get('feature_layers')}; this run: norms={head.norms}, "
+def start_from_head(head: MTPHead, head_dir: Path, target: LlamaModel) -> None:
+    """Copy an exported head's weights into this f32 head: continued training, e.g. the
+    shipped head on a larger corpus. load_head checks it belongs to this target; its layout
+    must also be this run's."""
+    exported = load_head(head_dir, target, dtype=torch.float32, draft_vocab=0)
+    if exported.norms != head.norms or exported.feature_layers != head.feature_layers:
+        raise SystemExit(f"--init-head {head_dir}: norms={exported.norms}, feature_layers="
+                         f"{list(exported.feature_layers)}; this run: norms={head.norms}, "
                          f"feature_layers={list(head.feature_layers)}")
-    weights = load_file(str(head_dir / "model.safetensors"))
-    own = head.state_dict()
-    if set(weights) != set(own) or any(weights[k].shape != own[k].shape for k in own):
-        raise SystemExit(f"--init-head {head_dir}: its weights do not fit this head "
-                         f"(hidden size or vocabulary of another target?)")
-    with torch.no_grad():
-        for name, value in weights.items():
-            own[name].copy_(value.float())
+    head.load_state_dict(exported.state_dict())
 
 
 def loss_terms(head: MTPHead, lm_rows: torch.Tensor, batch, args):
@@ -597,7 +589,7 @@ def main(argv=None) -> int:
               else default_feature_layers(target.cfg.num_layers)) if multi else ()
     head = MTPHead(target.cfg, target, norms=args.norms, dtype=torch.float32, feature_layers=layers)
     if args.init_head:
-        start_from_head(head, Path(args.init_head))
+        start_from_head(head, Path(args.init_head), target)
     else:
         init_head(head, target, args.init_layer, args.seed)
     variant = variant_name(args)
