@@ -116,6 +116,19 @@ def test_distill_a_draft_on_the_same_data_and_run_it_losslessly(data, tiny_dirs,
         chat["ids"][: int(chat["offsets"][1])].tolist()
     # Labels were saved in pieces: a rerun reuses them (and the finished parts) and resumes.
     assert list((work / "part_chat_train_top32.pieces").glob("*.pt"))
+    # Labels came from the states stage's H (lm_head only), equal to a full target pass's.
+    states = distill_draft.covering_states(data, "chat", "train", chat_windows := distill_draft.data_windows(
+        data, "chat", "train", distill_draft.parse_args(argv)))
+    assert states is not None
+    target = load_llama(tiny_dirs["target"], torch.bfloat16)
+    by_states = distill_draft.target_labels(target, chat_windows[1:3], 32, "states", states, first=1)
+    by_pass = distill_draft.target_labels(target, chat_windows[1:3], 32, "target pass")
+    for a, b in zip(by_states, by_pass):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # Windows the states do not hold (here: one token changed) are labelled by a target pass.
+    changed = [list(w) for w in chat_windows]
+    changed[-1][-1] = (changed[-1][-1] + 1) % target.cfg.vocab_size
+    assert distill_draft.covering_states(data, "chat", "train", changed) is None
     greedy_equals_plain(tiny_dirs, SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(out)))
 
 
