@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--rounds", type=_positive_int, default=1, metavar="R",
                        help="run every (mode, concurrency) R times, interleaved, all modes loaded at once: "
                             "speedups are the median of the ratios paired round by round, shown with their "
-                            "range (the run's own noise band); default 1: one mode after another")
+                            "range (the run's own noise band); every prompt runs once first, so every round finds "
+                            "its pages in the prefix cache; default 1: one mode after another")
     bench.add_argument("--json", metavar="OUT", help="write the full report as JSON to OUT")
     bench.add_argument("--compare-hf", action="store_true",
                        help="also run transformers (batch 1) and compare speed and outputs")
