@@ -325,7 +325,7 @@ class Executor:
             if layout.tokens is not None:  # the host's drafts, [S, W] for propose() and verification
                 arrays["draft_tokens"] = ([t + [0] * (width - len(t)) for t in layout.tokens], torch.long)
         if tree is not None:
-            arrays.update(self._tree_arrays(sampled, ks, sampled_starts, tree, width))
+            arrays.update(self._tree_arrays(sampled, ks, sampled_starts, tree, width, layout.depths))
         names = list(arrays)
         host_sampling = SamplingTensors.host_arrays(sampled) if sampled else []
         staged = upload(dev, *arrays.values(), *host_sampling)
@@ -350,29 +350,34 @@ class Executor:
         )
 
     def _tree_arrays(self, sampled: list[SeqWork], ks: list[int], starts: list[int], tree: TreeLayout,
-                     n: int) -> dict[str, tuple[object, torch.dtype]]:
+                     n: int, tree_depths: list[list[int]]) -> dict[str, tuple[object, torch.dtype]]:
         """The tree step's host-side layout, per sampled sequence ([S, ...] rows): its nodes'
         parents and sibling order, KV slots, and where the accepted path's rows move to.
         A sequence that decodes plainly beside the trees gets a tree nobody can enter (every
         node its own parent, so the root has no children: verify_tree draws its one token
         from p, as plain sampling does), and slots and moves that point at its own row only
-        (self-copies), so the whole step stays one set of [S, ...] tensors."""
+        (self-copies), so the whole step stays one set of [S, ...] tensors. A smaller tree (a
+        chain along the top path) is padded the same way: nodes past its k are their own
+        parents, and its slots and moves past its rows and depth point at its root."""
         depth = tree.depth
         closed = list(range(1, n + 1)), [0] * n
         parents, order, slots, moved_rows = [], [], [], []
         for j, (s, k) in enumerate(zip(sampled, ks)):
             row = starts[j]
-            last_slot = slot_mapping(s.page_table, s.end_pos - 1, s.end_pos, self.kv.page_size)
+            root_slot = slot_mapping(s.page_table, s.end_pos - 1, s.end_pos, self.kv.page_size)
             if not k:
                 parents.append(closed[0])
                 order.append(closed[1])
-                slots.append(last_slot * (n + 1))
+                slots.append(root_slot * (n + 1))
                 moved_rows.append([row] * depth)
                 continue
-            parents.append(tree.parents[j])
-            order.append(tree.order[j])
-            slots.append(slot_mapping(s.page_table, s.start_pos, s.start_pos + 1 + n, self.kv.page_size))
-            moved_rows.append(list(range(row + 1, row + 1 + depth)))
+            own_depth = max(tree_depths[j])
+            parents.append(tree.parents[j] + closed[0][k:])
+            order.append(tree.order[j] + closed[1][k:])
+            # Only the sequence's own k + 1 slots (pages were reserved for what it asked).
+            slots.append(slot_mapping(s.page_table, s.start_pos, s.start_pos + 1 + k, self.kv.page_size)
+                         + root_slot * (n - k))
+            moved_rows.append(list(range(row + 1, row + 1 + own_depth)) + [row] * (depth - own_depth))
         return {"tree_parents": (parents, torch.long), "tree_order": (order, torch.long),
                 "tree_slots": (slots, torch.long), "tree_moved_rows": (moved_rows, torch.long)}
 
@@ -438,8 +443,9 @@ class Executor:
             num_drafts = list(ks)
         else:
             tokens, accepted, hidden = self._verify_trees(step, logits, hidden, proposal.tokens)
-            # A tree reports its depth: the most drafts one path of it can have accepted.
-            num_drafts = [step.tree.depth if k else 0 for k in ks]
+            # A tree reports its depth: the most drafts one path of it can have accepted (a
+            # chain along its top path: its length).
+            num_drafts = [max(d) if k else 0 for k, d in zip(ks, layout.depths)]
         launched = LaunchedStep(step, tokens, accepted, num_drafts, hidden if layout.keep_hidden else None)
         self._publish(into, launched, copy)  # the host waits only for this copy
         if layout.catches_up_in_launch:

@@ -90,6 +90,7 @@ class Engine:
         self.controller = self._controller or build_controller(config, model, self._cost_model)
         self.scheduler = Scheduler(sched_cfg, self.allocator, self._eos_ids(), self.controller,
                                    tree_depth=config.spec.tree_depth if config.spec.method == "eagle" else 0,
+                                   tree_chains=config.spec.method == "eagle" and config.spec.tree == "static",
                                    prefix_cache=build_prefix_cache(config, self.allocator))
         self.requests: dict[str, _Request] = {}
         self._seeds = random.Random()

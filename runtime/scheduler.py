@@ -68,14 +68,18 @@ class SeqUpdate:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator,
                  eos_token_ids: tuple[int, ...] = (), controller: SpeculationController | None = None,
-                 tree_depth: int = 0, clock=time.perf_counter, prefix_cache: PrefixCache | None = None):
+                 tree_depth: int = 0, clock=time.perf_counter, prefix_cache: PrefixCache | None = None,
+                 tree_chains: bool = False):
         """controller: chooses each speculating decode's drafts per step (None: every one
         verifies its cap). tree_depth: EAGLE, a sequence's num_spec_tokens is a tree of that
-        depth (all or nothing), not a chain. prefix_cache: full pages shared across requests
+        depth, not a chain; tree_chains: its drafter also grows chains of 1..tree_depth drafts
+        along the tree's top path (EAGLE's fixed shape), which the controller may choose
+        instead of the tree. prefix_cache: full pages shared across requests
         (runtime/prefix_cache.py; None: off)."""
         self.config = config
         self.controller = controller
         self.tree_depth = tree_depth
+        self.tree_chains = tree_chains
         self.clock = clock
         self._scheduled_at: dict[int, float] = {}  # step id → when it was planned (step times)
         self.allocator = allocator
@@ -170,7 +174,7 @@ class Scheduler:
         """work.num_spec_tokens is the cap this step (the request's k, less near max_tokens)."""
         if self.tree_depth:
             nodes = self.by_seq[work.seq_id].num_spec_tokens
-            return tree_options(nodes, self.tree_depth, work.num_spec_tokens)
+            return tree_options(nodes, self.tree_depth, work.num_spec_tokens, chains=self.tree_chains)
         return chain_options(work.num_spec_tokens)
 
     def _try_schedule(self, seq: Sequence, budget: int, preempt: bool) -> SeqWork | None:
@@ -273,13 +277,14 @@ class Scheduler:
         (from planning to its output: host and device, as the throughput sees it)."""
         if self.controller is None:
             return
+        # A tree verifies more rows than its depth; a chain (EAGLE's top path too) its depth.
+        trees = {w.seq_id for w in plan.seqs if self.tree_depth and w.num_spec_tokens > self.tree_depth}
         for o in output.seqs:
-            self.controller.observe(o.seq_id, o.num_drafts, o.num_accepted)
+            self.controller.observe(o.seq_id, o.num_drafts, o.num_accepted, tree=o.seq_id in trees)
         start = self._scheduled_at.pop(plan.step_id, None)
         if start is not None:
             rows = sum(len(w.token_ids) + w.num_spec_tokens for w in plan.seqs)
-            depths = [self.tree_depth if (self.tree_depth and w.num_spec_tokens) else w.num_spec_tokens
-                      for w in plan.seqs]
+            depths = [self.tree_depth if w.seq_id in trees else w.num_spec_tokens for w in plan.seqs]
             levels = [sum(1 for d in depths if d >= j) for j in range(2, max(depths, default=0) + 1)]
             self.controller.observe_step(rows, levels, self.clock() - start, speculating=sum(1 for d in depths if d))
 

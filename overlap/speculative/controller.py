@@ -4,13 +4,14 @@ Speculation pays only while a step's extra rows cost less than the tokens they w
 (docs/architecture.md §8): speedup ≈ acceptance_length / (r(q) + k·c). At batch 1 a verify
 row is nearly free, so full k wins; in a compute-bound batch every row costs about as much
 as a plain decode row, and drafts that are rejected only slow the batch down. So each step
-the controller picks, per sequence, one option (0..k drafts, or for EAGLE no tree / the
-tree) to maximise
+the controller picks, per sequence, one option (0..k drafts; for EAGLE's fixed tree: none, a
+chain of 1..depth drafts along the tree's top path, or the whole tree) to maximise
 
     expected tokens of the step / predicted time of the step,
 
 where a sequence's expected tokens with d drafts deep are 1 + Σ_{j≤d} Π_{m≤j} a[m], a[m]
-being its own exponential average of "draft m accepted, given drafts 1..m-1 were"; and the
+being its own exponential average of "draft m accepted, given drafts 1..m-1 were" (kept apart
+for its chains and its trees: a tree's several candidates per level accept more); and the
 step's time is the target's cost at the batch's total rows plus the drafter's steps (level
 j >= 2 runs over the sequences still drafting at depth j; draft 1 comes from the carried
 distribution), from `StepCostModel`: a cost
@@ -54,6 +55,7 @@ class SpecOption:
 
     rows: int  # verify rows on top of the sequence's own tokens (chain: k; tree: its nodes)
     depth: int  # how many draft positions can be accepted (chain: k; tree: its depth)
+    tree: bool = False  # a tree: its acceptance is tracked apart from the sequence's chains
 
     @property
     def k(self) -> int:
@@ -68,9 +70,15 @@ def chain_options(cap: int) -> list[SpecOption]:
     return [SpecOption(k, k) for k in range(cap + 1)]
 
 
-def tree_options(nodes: int, depth: int, cap: int) -> list[SpecOption]:
-    """No tree, or the whole tree when the request has room for it (cap >= nodes)."""
-    return [PLAIN, SpecOption(nodes, depth)] if cap >= nodes > 0 else [PLAIN]
+def tree_options(nodes: int, depth: int, cap: int, chains: bool = True) -> list[SpecOption]:
+    """No tree; a chain of 1..depth drafts along the tree's top-ranked path (chains: the
+    drafter grows them, EAGLE's fixed shape does); or the whole tree when the request has room
+    for it (cap >= nodes). Where a tree's extra rows cost more than its extra branches win
+    (a compute-bound CPU, a busy batch) the chain still speculates."""
+    out = [PLAIN] + (chain_options(min(depth, cap))[1:] if chains and nodes > 0 else [])
+    if cap >= nodes > 0 and (nodes, depth) != (out[-1].rows, out[-1].depth):
+        out.append(SpecOption(nodes, depth, tree=True))
+    return out
 
 
 @dataclass(frozen=True)
@@ -306,17 +314,26 @@ class SpeculationController:
         self.acceptance: dict[Hashable, Acceptance] = {}
         # Every request's verified steps: what a request not measured yet is expected to do.
         self.population = Acceptance(config.prior, config.population_alpha)
+        # Trees accept more per depth than chains (several candidates a level): their own
+        # averages, per sequence and over the population, so one never skews the other.
+        self.tree_acceptance: dict[Hashable, Acceptance] = {}
+        self.tree_population = Acceptance(config.prior, config.population_alpha)
         self.chosen = Counter()  # k (verify rows) chosen per decoding sequence, over all steps
         self.steps = 0
         self.plain_streak: Counter = Counter()  # key → consecutive steps it was given no drafts
         self.hopeless_streak: Counter = Counter()  # key → of those, steps its batch ruled drafts out
         self.detached = 0  # sequences detached over the controller's life
 
-    def _acc(self, key: Hashable) -> Acceptance:
-        acc = self.acceptance.get(key)
+    def _acc(self, key: Hashable, tree: bool = False) -> Acceptance:
+        table, base = (self.tree_acceptance, self.tree_population) if tree else (self.acceptance, self.population)
+        acc = table.get(key)
         if acc is None:
-            acc = self.acceptance[key] = Acceptance(self.config.prior, self.config.alpha, base=self.population)
+            acc = table[key] = Acceptance(self.config.prior, self.config.alpha, base=base)
         return acc
+
+    def _tokens(self, key: Hashable, option: SpecOption) -> float:
+        """Expected tokens of a step where the sequence takes `option`."""
+        return self._acc(key, option.tree).expected_tokens(option.depth) if option.depth else 1.0
 
     # -- per step ----------------------------------------------------------------------------
 
@@ -338,6 +355,8 @@ class SpeculationController:
                 self.hopeless_streak.pop(c.key, None)
                 continue
             self._acc(c.key).relax(self.config.relax)
+            if c.key in self.tree_acceptance:
+                self.tree_acceptance[c.key].relax(self.config.relax)
             self.plain_streak[c.key] += 1
             first = c.options[1] if len(c.options) > 1 else None
             if self.config.enabled and first is not None:
@@ -377,7 +396,6 @@ class SpeculationController:
     def _search(self, candidates: list[Candidate], other_rows: int, other_tokens: int) -> list[SpecOption]:
         n = len(candidates)
         level = [0] * n  # index into each candidate's options
-        accs = [self._acc(c.key) for c in candidates]
         rows = other_rows + n
         tokens = other_tokens + float(n)
         max_depth = max((c.options[-1].depth for c in candidates), default=0)
@@ -387,8 +405,9 @@ class SpeculationController:
 
         def push(heap, i):
             if level[i] + 1 < len(candidates[i].options):
-                cur, nxt = candidates[i].options[level[i]], candidates[i].options[level[i] + 1]
-                gain = accs[i].expected_tokens(nxt.depth) - accs[i].expected_tokens(cur.depth)
+                c = candidates[i]
+                cur, nxt = c.options[level[i]], c.options[level[i] + 1]
+                gain = self._tokens(c.key, nxt) - self._tokens(c.key, cur)
                 heapq.heappush(heap, (-gain / max(1, nxt.rows - cur.rows), i))
 
         heap: list = []
@@ -397,7 +416,7 @@ class SpeculationController:
         while heap:
             _, i = heapq.heappop(heap)
             cur, nxt = candidates[i].options[level[i]], candidates[i].options[level[i] + 1]
-            tokens += accs[i].expected_tokens(nxt.depth) - accs[i].expected_tokens(cur.depth)
+            tokens += self._tokens(candidates[i].key, nxt) - self._tokens(candidates[i].key, cur)
             rows += nxt.rows - cur.rows
             for j in range(cur.depth + 1, nxt.depth + 1):
                 drafting[j] += 1
@@ -415,11 +434,11 @@ class SpeculationController:
 
     # -- feedback ----------------------------------------------------------------------------
 
-    def observe(self, key: Hashable, num_drafts: int, num_accepted: int) -> None:
+    def observe(self, key: Hashable, num_drafts: int, num_accepted: int, tree: bool = False) -> None:
         """A sequence's verified step (num_drafts: drafts proposed, or the tree's depth)."""
         if num_drafts:
-            self._acc(key).observe(num_drafts, num_accepted)
-            self.population.observe(num_drafts, num_accepted)
+            self._acc(key, tree).observe(num_drafts, num_accepted)
+            (self.tree_population if tree else self.population).observe(num_drafts, num_accepted)
 
     def observe_step(self, rows: int, drafter_rows: list[int], seconds: float, speculating: int = 0) -> None:
         """A step's wall time; speculating: how many of its sequences drafted."""
@@ -427,6 +446,7 @@ class SpeculationController:
 
     def forget(self, key: Hashable) -> None:
         self.acceptance.pop(key, None)
+        self.tree_acceptance.pop(key, None)
         self.plain_streak.pop(key, None)
         self.hopeless_streak.pop(key, None)
 

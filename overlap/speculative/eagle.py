@@ -18,8 +18,12 @@ the path; the executor compacts), and the head re-runs over the accepted rows wi
 target's hidden states (HeadProposer.catch_up, as for MTP chains), which overwrites its
 expansion rows.
 
-A tree is all or nothing: a sequence without room for every node (near max_tokens or the
-context end) decodes plainly this step, beside the trees (`plan` grants it no drafts).
+Chains beside the trees: a sequence asked for fewer drafts than the tree's nodes (the
+controller chose so, or it has no room for the tree near max_tokens or the context end) gets
+a chain of that many drafts (at most the depth) along the tree's top-ranked path, the head's
+top-1 draft at each level: an MTP chain, verified in the same pass as a one-child-per-node
+tree. Its tokens come from the same expansion as the trees (the top path is part of every
+tree), so chains and trees of one step share one proposal.
 """
 
 from __future__ import annotations
@@ -55,22 +59,40 @@ class EagleProposer(HeadProposer):
         self.sibling_order = shape.sibling_order()
         # Verification mask over [root, nodes]: each row sees the root and its ancestors.
         self.verify_mask = tree_mask_from_parents([-1] + parents)
+        # The top-ranked path (ranks 0, 0, ...), depth first: the nodes a chain of c drafts is.
+        self.top_path = [i + 1 for i, p in sorted(enumerate(shape.paths), key=lambda x: len(x[1]))
+                         if not any(p)]
+        # A chain of c drafts as a tree: node j's parent is node j - 1; causal mask.
+        self.chains = {c: ([j for j in range(c)], [0] * c, tree_mask_from_parents(list(range(-1, c))),
+                           list(range(1, c + 1))) for c in range(1, len(self.top_path) + 1)}
+
+    def _granted(self, k: int) -> int:
+        """Drafts a sequence asked for k gets: the tree (k >= its nodes), a chain of up to the
+        top path's length, or none."""
+        return self.num_nodes if k >= self.num_nodes else min(k, len(self.top_path))
 
     def plan(self, batch: BatchPlan, sampled: list[SeqWork], ks: list[int], wait) -> DraftLayout:
-        grows = [k >= self.num_nodes for k in ks]  # all or nothing (module doc)
-        tree = TreeLayout([self.node_parents if g else None for g in grows],
-                          [self.sibling_order if g else None for g in grows],
-                          [self.verify_mask if g else None for g in grows], self.depth, self.tree.max_children())
-        return DraftLayout([self.num_nodes if g else 0 for g in grows], self.num_nodes,
-                           [self.node_depths if g else [] for g in grows], tree, keep_hidden=True)
+        granted = [self._granted(k) for k in ks]
+        tree_of = {self.num_nodes: (self.node_parents, self.sibling_order, self.verify_mask, self.node_depths)}
+        shapes = [None if not g else tree_of.get(g) if g == self.num_nodes else self.chains[g] for g in granted]
+        depth = max((max(sh[3]) for sh in shapes if sh), default=self.depth)
+        tree = TreeLayout([sh[0] if sh else None for sh in shapes], [sh[1] if sh else None for sh in shapes],
+                          [sh[2] if sh else None for sh in shapes], depth, self.tree.max_children())
+        return DraftLayout(granted, self.num_nodes, [sh[3] if sh else [] for sh in shapes], tree, keep_hidden=True)
 
     def propose(self, request: DraftRequest) -> Proposal:
-        """→ node tokens [S, N] (zeros for the sequences that grow no tree); q: one-hot."""
-        grown = [i for i, k in enumerate(request.layout.num_drafts) if k]
+        """→ node tokens [S, N] (a chain's in its first columns; zeros for the sequences that
+        draft nothing); q: one-hot."""
+        granted = request.layout.num_drafts
+        grown = [i for i, k in enumerate(granted) if k]
         nodes = self.propose_tree([request.seqs[i] for i in grown])  # [Sg, N]
-        rows, = upload(nodes.device, (grown, torch.long))
+        # Each grown sequence's columns: its tree's nodes, or its chain's top-path nodes.
+        columns = [list(range(self.num_nodes)) if granted[i] == self.num_nodes else
+                   [n - 1 for n in self.top_path[:granted[i]]] + [0] * (self.num_nodes - granted[i])
+                   for i in grown]
+        rows, picks = upload(nodes.device, (grown, torch.long), (columns, torch.long))
         tokens = torch.zeros(len(request.seqs), self.num_nodes, dtype=torch.long, device=nodes.device)
-        return Proposal(tokens.index_copy(0, rows, nodes), None)
+        return Proposal(tokens.index_copy(0, rows, nodes.gather(1, picks)), None)
 
     def after_verify(self, verified: Verified) -> None:
         pass  # never asked for: the head catches up after the sync

@@ -137,7 +137,7 @@ class RandomChoices:
         self.mixed_steps += len({o.k for o in picked}) > 1
         return picked
 
-    def observe(self, key, num_drafts, num_accepted):
+    def observe(self, key, num_drafts, num_accepted, tree=False):
         pass
 
     def observe_step(self, rows, drafter_rows, seconds, speculating=0):

@@ -91,11 +91,30 @@ def test_chain_sampling_keeps_the_target_distribution_with_mixed_k(tiny_dirs):
 def test_tree_sampling_keeps_the_target_distribution_with_plain_rows_beside(tiny_dirs, echo_heads, tree):
     """Trees and plain decodes share each verify pass (a quarter of the sequences decode plainly
     each step, at random); every depth is verified and the law holds."""
+    ctl = RandomChoices(seed=13)
+    nodes = test_eagle.TREE_TOKENS[tree]
     eng = test_eagle.engine(tiny_dirs, echo_heads, target="target_v6", depth=3, topk=2,
-                            tokens=test_eagle.TREE_TOKENS[tree], max_num_seqs=1000, max_batched_tokens=8192,
-                            num_pages=4096, tree=tree, controller=RandomChoices(seed=13))
-    # Room for a tree on the first decode steps: tokens 2.. come from trees or plain steps.
-    check_engine_law(eng, T1, 4000, length=5, depth=3, max_tokens=3 * test_eagle.TREE_TOKENS[tree])
+                            tokens=nodes, max_num_seqs=1000, max_batched_tokens=8192,
+                            num_pages=4096, tree=tree, controller=ctl)
+    # Room for a tree on the first decode steps: tokens 2.. come from trees, chains or plain steps.
+    check_engine_law(eng, T1, 4000, length=5, depth=3, max_tokens=3 * nodes)
+    # Static trees: chains of 1-3 drafts along the top path shared the steps with the trees.
+    assert set(ctl.chosen) == ({0, 1, 2, 3, nodes} if tree == "static" else {0, nodes}), ctl.chosen
+
+
+def test_chains_and_trees_share_a_step_and_stay_lossless(tiny_dirs, heads, greedy_reference):
+    """EAGLE's fixed shape: a sequence given fewer drafts than the tree's nodes drafts a chain
+    along the top path, verified in the same pass as the others' trees."""
+    ps = varied_prompts(8, seed=23)
+    eng = build(tiny_dirs, heads, "eagle-static", RandomChoices(seed=29, plain_weight=0.1))
+    plans = record_plans(eng)
+    results = eng.generate(ps, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [r.token_ids for r in results] == greedy_reference(ps, 24)
+    nodes = eng.executor.proposer.num_nodes
+    both = [p for p in plans if {w.num_spec_tokens for w in p.seqs if w.is_decode} >= {1, nodes}
+            or {w.num_spec_tokens for w in p.seqs if w.is_decode} >= {3, nodes}]
+    assert both, "no step verified a chain beside a tree"
+    assert sum(r.stats.get("draft_tokens", 0) for r in results) > 0
 
 
 def test_the_real_controller_in_the_engine_shows_its_choices(tiny_dirs, greedy_reference):

@@ -95,14 +95,42 @@ def test_caps_are_respected_and_choices_mix_per_sequence():
     assert picked[1].k == 1  # its second draft never lands: verifying it only costs
 
 
-def test_tree_options_are_all_or_nothing_and_need_room():
-    assert tree_options(6, 3, cap=6) == [PLAIN, SpecOption(6, 3)]
-    assert tree_options(6, 3, cap=5) == [PLAIN]
+def test_tree_options_are_chains_along_the_top_path_or_the_whole_tree():
+    tree = SpecOption(6, 3, tree=True)
+    chains = [SpecOption(1, 1), SpecOption(2, 2), SpecOption(3, 3)]
+    assert tree_options(6, 3, cap=6) == [PLAIN, *chains, tree]
+    assert tree_options(6, 3, cap=5) == [PLAIN, *chains]  # no room for the tree: chains still
+    assert tree_options(6, 3, cap=2) == [PLAIN, *chains[:2]]
+    assert tree_options(6, 3, cap=6, chains=False) == [PLAIN, tree]  # EAGLE-2's dynamic trees
+    assert tree_options(6, 3, cap=5, chains=False) == [PLAIN]
+    assert tree_options(3, 3, cap=3) == [PLAIN, *chains]  # a one-path tree is the 3-chain
+
+
+def test_trees_and_chains_are_priced_by_their_own_acceptance():
+    options = tree_options(6, 3, 6)
+    # Rows are free: the tree, which (trained) accepts all three levels where chains accept two,
+    # is taken.
     ctl = controller(Scripted(per_row=0.0))
+    train(ctl, "t", 2, k=3)  # chains: the third draft misses
+    for _ in range(20):
+        ctl.observe("t", 3, 3, tree=True)
+    assert ctl.choose([Candidate("t", options)]) == [SpecOption(6, 3, tree=True)]
+    # Rows cost 10% of a step each: the tree's 3 extra rows do not pay for what its branches
+    # add over the 3-chain (its chains accept as much), the 3-chain does.
+    ctl = controller(Scripted(base=10.0, per_row=1.0))
     train(ctl, "t", 3, k=3)
-    assert ctl.choose([Candidate("t", tree_options(6, 3, 6))]) == [SpecOption(6, 3)]
+    for _ in range(20):
+        ctl.observe("t", 3, 3, tree=True)
+    assert ctl.choose([Candidate("t", options)]) == [SpecOption(3, 3)]
+    # Chains miss at depth 2 while the tree's branches land: the tree wins despite its rows.
+    ctl = controller(Scripted(base=10.0, per_row=0.5))
+    train(ctl, "t", 1, k=3)
+    for _ in range(20):
+        ctl.observe("t", 3, 3, tree=True)
+    assert ctl.choose([Candidate("t", options)]) == [SpecOption(6, 3, tree=True)]
+    # Steep rows: nothing.
     steep = controller(Scripted(base=1.0, per_row=10.0))
-    assert steep.choose([Candidate("t", tree_options(6, 3, 6))]) == [PLAIN]
+    assert steep.choose([Candidate("t", options)]) == [PLAIN]
 
 
 def test_off_runs_every_cap_and_stats_show_the_choices():
