@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include "pool.h"
 #include "fixed_exp.h"
+#include "bf16_vec.h"
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <algorithm>
@@ -199,10 +200,7 @@ constexpr bool has_load16 = std::is_same_v<T, float> || std::is_same_v<T, c10::B
 
 // 16 consecutive elements widened to f32 (exact for all three types).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the high half of an f32
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+inline __m512 load16(const c10::BFloat16* p) { return overlap::widen_bf16x16(p); }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }

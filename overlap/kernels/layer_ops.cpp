@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include "pool.h"
 #include "fixed_exp.h"
+#include "bf16_vec.h"
 #include <c10/util/BFloat16.h>
 #include <cmath>
 
@@ -33,21 +34,6 @@ inline float round_bf16(float v) {
   return out;
 }
 inline bf16 to_bf16(float v) { return bf16(bf16_bits(v), bf16::from_bits()); }
-
-#if defined(__AVX512F__)
-// The same three on 16 lanes: bf16 -> f32 (exact), bf16_bits (as i32 lanes), round_bf16.
-inline __m512 widen16(const bf16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __m512i bf16_bits16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-}
-inline __m512 round16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
-#endif
 
 // sum of squares of one row: LANES partial sums, then a fixed pairwise tree.
 constexpr int LANES = 16;
@@ -107,12 +93,12 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
       // element, 13% of a prefill); the same operations in the same order as the scalar
       // tail below, lane by lane, so the same bits.
       for (; i + 16 <= inter; i += 16) {
-        const __m512 gv = widen16(g + i);
+        const __m512 gv = overlap::widen_bf16x16(g + i);
         const __m512 e = overlap::fixed_exp16(_mm512_castsi512_ps(  // -gv: the sign bit flipped
             _mm512_xor_si512(_mm512_castps_si512(gv), _mm512_set1_epi32(int32_t(0x80000000u)))));
-        const __m512 s = round16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        const __m512 s = overlap::round_bf16x16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + r * inter + i),
-                            _mm512_cvtepi32_epi16(bf16_bits16(_mm512_mul_ps(s, widen16(u + i)))));
+                            _mm512_cvtepi32_epi16(overlap::bf16_bits_x16(_mm512_mul_ps(s, overlap::widen_bf16x16(u + i)))));
       }
 #endif
       for (; i < inter; ++i) {

@@ -28,6 +28,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include "pool.h"
+#include "bf16_vec.h"
 #include <c10/util/BFloat16.h>
 #include <cmath>
 #include <cstring>
@@ -67,10 +68,7 @@ inline void store(float* out, Acc a) { _mm512_storeu_ps(out, a); }
 constexpr int VEC = 16, VECS = 4, KSTEP = 1;
 using Acc = __m512;
 inline Acc zero() { return _mm512_setzero_ps(); }
-inline __m512 load_w(const bf16* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+inline __m512 load_w(const bf16* p) { return overlap::widen_bf16x16(p); }
 inline __m512 bcast_x(const bf16* x) { return _mm512_set1_ps(float(*x)); }
 inline Acc madd(Acc acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
 inline void store(float* out, Acc a) { _mm512_storeu_ps(out, a); }
@@ -173,12 +171,8 @@ inline void store_row(float* y, const float* c, const float* bias, __mmask16 lan
   _mm512_mask_storeu_ps(y, lanes, with_bias(c, bias, lanes));
 }
 inline void store_row(bf16* y, const float* c, const float* bias, __mmask16 lanes) {
-  const __m512 v = with_bias(c, bias, lanes);
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  _mm256_mask_storeu_epi16(y, lanes, _mm512_cvtepi32_epi16(rounded));
+  const __m512i bits = overlap::bf16_bits_x16(with_bias(c, bias, lanes));
+  _mm256_mask_storeu_epi16(y, lanes, _mm512_cvtepi32_epi16(bits));
 }
 
 // tmm0-3: C (rows x 16 f32) for the block's 4 column groups; tmm4: A (rows x 32 bf16 of x);
