@@ -260,7 +260,7 @@ class Executor:
         #    share one verify pass.
         ks = [s.num_spec_tokens if (self.proposer is not None and s.is_decode) else 0 for s in sampled]
         # 2. The proposer lays its step out: the rows it wants verified (it may grant fewer
-        #    than asked: a tree is all or nothing, n-gram finds fewer), their depths and mask,
+        #    than asked: a fixed tree grants a chain or the tree, n-gram finds fewer), their depths and mask,
         #    the drafts it already knows on the host. A proposer that plans from device state
         #    calls the wait it is given (EAGLE-2; the documented sync of dynamic trees).
         layout = None if self.proposer is None else \

@@ -6,7 +6,8 @@ The executor calls, per step (docs/architecture.md §3 has the four stages):
         sampled sequence wants verified (how many rows, at which depths, under which mask),
         drafts already known on the host, and what the proposer needs later (the target's
         hidden states kept, its catch-up inside the launch). ks: the drafts the scheduler
-        asked for; the layout may grant fewer (a tree is all or nothing, n-gram finds fewer).
+        asked for; the layout may grant fewer (a fixed tree: the tree or a chain along its top
+        path; a dynamic tree: all or nothing; n-gram finds fewer).
         wait() waits for the device to finish the work queued so far: a proposer that plans
         from device state (EAGLE-2's dynamic trees) calls it, a documented sync.
   propose(request) → Proposal                    stage 2, on the forward stream: draft tokens

@@ -182,7 +182,7 @@ class DynamicEagleProposer(HeadProposer):
         self.num_nodes = min(tokens, topk + (depth - 1) * topk * topk)
 
     def plan(self, batch: BatchPlan, sampled: list[SeqWork], ks: list[int], wait) -> DraftLayout:
-        grows = [k >= self.num_nodes for k in ks]  # all or nothing, as for fixed trees
+        grows = [k >= self.num_nodes for k in ks]  # all or nothing (the top path may not be in it)
         trees: list[DynamicTree | None] = [None] * len(ks)
         if any(grows):
             # The trees grow from the logits the previous step's catch-up carries: wait for it

@@ -149,8 +149,8 @@ class FixedChoices:
         self.asked.append(([c.options for c in candidates], other_rows, other_tokens))
         return [c.options[min(self.pick, len(c.options) - 1)] for c in candidates]
 
-    def observe(self, key, num_drafts, num_accepted):
-        self.observed.append((key, num_drafts, num_accepted))
+    def observe(self, key, num_drafts, num_accepted, tree=False):
+        self.observed.append((key, num_drafts, num_accepted) + (("tree",) if tree else ()))
 
     def observe_step(self, rows, drafter_rows, seconds, speculating=0):
         self.steps.append((rows, drafter_rows, seconds))
@@ -185,7 +185,27 @@ def test_a_batch_with_a_prefill_chunk_still_speculates_for_its_decodes():
     assert s.stats()["spec_controller"] == "double"
 
 
-def test_tree_requests_are_offered_all_or_nothing():
+def test_tree_requests_are_offered_chains_or_the_whole_tree():
+    ctl = FixedChoices(pick=-1)
+    s = Scheduler(SchedulerConfig(), PageAllocator(64, 4), (2,), ctl, tree_depth=3, tree_chains=True)
+    s.add("a", [10, 11], SamplingParams(max_tokens=20), seed=0, num_spec_tokens=6)
+    s.add("b", [10, 11], SamplingParams(max_tokens=3), seed=0, num_spec_tokens=6)
+    fake_run(s)
+    plan = s.schedule()
+    options = ctl.asked[-1][0]
+    assert [(o.rows, o.depth, o.tree) for o in options[0]] == [(0, 0, False), (1, 1, False), (2, 2, False),
+                                                                (3, 3, False), (6, 3, True)]
+    # No room for the tree before max_tokens: a chain of what fits (2 tokens left: 1 draft).
+    assert [(o.rows, o.depth) for o in options[1]] == [(0, 0), (1, 1)]
+    assert [w.num_spec_tokens for w in plan.seqs] == [6, 1]
+    # What each verified is observed as a tree's or a chain's acceptance.
+    out = StepOutput(plan.step_id, [SeqOutput(plan.seqs[0].seq_id, [7, 7], 3, 1),
+                                    SeqOutput(plan.seqs[1].seq_id, [7], 1, 0)])
+    s.update(plan, out)
+    assert ctl.observed[-2:] == [(plan.seqs[0].seq_id, 3, 1, "tree"), (plan.seqs[1].seq_id, 1, 0)]
+
+
+def test_dynamic_tree_requests_are_offered_all_or_nothing():
     ctl = FixedChoices(pick=1)
     s = Scheduler(SchedulerConfig(), PageAllocator(64, 4), (2,), ctl, tree_depth=3)
     s.add("a", [10, 11], SamplingParams(max_tokens=20), seed=0, num_spec_tokens=6)
