@@ -23,7 +23,8 @@ controller chose so, or it has no room for the tree near max_tokens or the conte
 a chain of that many drafts (at most the depth) along the tree's top-ranked path, the head's
 top-1 draft at each level: an MTP chain, verified in the same pass as a one-child-per-node
 tree. Its tokens come from the same expansion as the trees (the top path is part of every
-tree), so chains and trees of one step share one proposal.
+tree), so chains and trees of one step share one proposal; a chain is granted only where the
+sequence's pages hold the expansion's rows (near max_tokens it may not: it decodes plainly).
 """
 
 from __future__ import annotations
@@ -66,13 +67,20 @@ class EagleProposer(HeadProposer):
         self.chains = {c: ([j for j in range(c)], [0] * c, tree_mask_from_parents(list(range(-1, c))),
                            list(range(1, c + 1))) for c in range(1, len(self.top_path) + 1)}
 
-    def _granted(self, k: int) -> int:
+    def _granted(self, k: int, seq: SeqWork) -> int:
         """Drafts a sequence asked for k gets: the tree (k >= its nodes), a chain of up to the
-        top path's length, or none."""
-        return self.num_nodes if k >= self.num_nodes else min(k, len(self.top_path))
+        top path's length, or none. A chain's tokens come from the tree's expansion, whose head
+        rows sit at the sequence's slots after its last token (one per internal node): only
+        where its pages reach that far. Near max_tokens the scheduler reserves pages for fewer
+        drafts than the tree has nodes, and such a sequence decodes plainly."""
+        if k >= self.num_nodes:
+            return self.num_nodes
+        if len(seq.page_table) * self.page_size < seq.start_pos + max(len(self.internal), k) + 1:
+            return 0
+        return min(k, len(self.top_path))
 
     def plan(self, batch: BatchPlan, sampled: list[SeqWork], ks: list[int], wait) -> DraftLayout:
-        granted = [self._granted(k) for k in ks]
+        granted = [self._granted(k, s) for k, s in zip(ks, sampled)]
         tree_of = {self.num_nodes: (self.node_parents, self.sibling_order, self.verify_mask, self.node_depths)}
         shapes = [None if not g else tree_of.get(g) if g == self.num_nodes else self.chains[g] for g in granted]
         depth = max((max(sh[3]) for sh in shapes if sh), default=self.depth)
