@@ -30,6 +30,7 @@ sequence's pages hold the expansion's rows (near max_tokens it may not: it decod
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -40,6 +41,15 @@ from overlap.models.heads import MTPHead
 from overlap.speculative.base import DraftLayout, DraftRequest, Proposal, TreeLayout, Verified
 from overlap.speculative.head_proposer import HeadProposer
 from overlap.speculative.tree import TreeShape
+
+
+class _VerifiedShape(NamedTuple):
+    """The nodes one sequence verifies, as TreeLayout and DraftLayout hold them."""
+
+    parents: list[int]
+    order: list[int]
+    mask: torch.Tensor
+    depths: list[int]
 
 
 class EagleProposer(HeadProposer):
@@ -63,9 +73,11 @@ class EagleProposer(HeadProposer):
         # The top-ranked path (ranks 0, 0, ...), depth first: the nodes a chain of c drafts is.
         self.top_path = [i + 1 for i, p in sorted(enumerate(shape.paths), key=lambda x: len(x[1]))
                          if not any(p)]
-        # A chain of c drafts as a tree: node j's parent is node j - 1; causal mask.
-        self.chains = {c: ([j for j in range(c)], [0] * c, tree_mask_from_parents(list(range(-1, c))),
-                           list(range(1, c + 1))) for c in range(1, len(self.top_path) + 1)}
+        # What a sequence granted g drafts verifies: the whole tree (g = its nodes), or a chain
+        # of g drafts as a tree (node j's parent is node j - 1; a causal mask).
+        self.verified_shapes = {c: _VerifiedShape(list(range(c)), [0] * c, tree_mask_from_parents(list(range(-1, c))),
+                                             list(range(1, c + 1))) for c in range(1, len(self.top_path) + 1)}
+        self.verified_shapes[self.num_nodes] = _VerifiedShape(parents, self.sibling_order, self.verify_mask, depths)
 
     def _granted(self, k: int, seq: SeqWork) -> int:
         """Drafts a sequence asked for k gets: the tree (k >= its nodes), a chain of up to the
@@ -81,12 +93,12 @@ class EagleProposer(HeadProposer):
 
     def plan(self, batch: BatchPlan, sampled: list[SeqWork], ks: list[int], wait) -> DraftLayout:
         granted = [self._granted(k, s) for k, s in zip(ks, sampled)]
-        tree_of = {self.num_nodes: (self.node_parents, self.sibling_order, self.verify_mask, self.node_depths)}
-        shapes = [None if not g else tree_of.get(g) if g == self.num_nodes else self.chains[g] for g in granted]
-        depth = max((max(sh[3]) for sh in shapes if sh), default=self.depth)
-        tree = TreeLayout([sh[0] if sh else None for sh in shapes], [sh[1] if sh else None for sh in shapes],
-                          [sh[2] if sh else None for sh in shapes], depth, self.tree.max_children())
-        return DraftLayout(granted, self.num_nodes, [sh[3] if sh else [] for sh in shapes], tree, keep_hidden=True)
+        shapes = [self.verified_shapes.get(g) for g in granted]  # None: no drafts
+        depth = max((max(sh.depths) for sh in shapes if sh), default=self.depth)
+        tree = TreeLayout([sh and sh.parents for sh in shapes], [sh and sh.order for sh in shapes],
+                          [sh and sh.mask for sh in shapes], depth, self.tree.max_children())
+        return DraftLayout(granted, self.num_nodes, [sh.depths if sh else [] for sh in shapes], tree,
+                           keep_hidden=True)
 
     def propose(self, request: DraftRequest) -> Proposal:
         """→ node tokens [S, N] (a chain's in its first columns; zeros for the sequences that
