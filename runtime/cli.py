@@ -203,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-overlap", action="store_true",
                        help="also run each in-process mode with overlap off (plan only after the "
                             "previous step finished), side by side")
+    bench.add_argument("--aa", action="store_true",
+                       help="also run a second, identical `none` engine (\"none A/A\"): its speedup over "
+                            "`none` is this run's own noise, the yardstick for every other ratio (best "
+                            "with --rounds)")
     bench.add_argument("--step-costs", action="store_true",
                        help="instead of prompts: time one target step for 1-16 rows per sequence at batch 1 "
                             "and 8 (context --context), one MTP-head step and one draft-model step; prints "
@@ -627,6 +631,9 @@ def _bench_variants(args: argparse.Namespace) -> list:
                 label = mode if len(controllers) == 1 or method == "none" else f"{mode} controller={ctl}"
                 variants.append(Variant(label, dataclasses.replace(
                     config, spec=dataclasses.replace(config.spec, controller=ctl))))
+                if method == "none" and args.aa:
+                    # The same engine twice: what "1.00x" looks like on this machine today.
+                    variants.append(Variant("none A/A", variants[-1].config))
                 if args.shared_prefix and config.cache.prefix_caching:
                     last = variants[-1]
                     variants.append(Variant(f"{label} no-prefix-cache", dataclasses.replace(

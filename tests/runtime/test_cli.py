@@ -235,6 +235,15 @@ def test_bench_no_overlap_adds_a_variant_per_mode(prompts_file, monkeypatch):
         ("none", True), ("none no-overlap", False), ("ngram", True), ("ngram no-overlap", False)]
 
 
+def test_bench_aa_adds_a_second_identical_none_engine(prompts_file, monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "run_bench", lambda variants, *a, **kw: seen.extend(variants) or {})
+    monkeypatch.setattr(bench, "format_report", lambda report: "")
+    assert cli.main(["bench", "--prompts", str(prompts_file), "--spec", "ngram", "none", "--aa"]) == 0
+    assert [v.label for v in seen] == ["none", "none A/A", "ngram"]
+    assert seen[1].config == seen[0].config and seen[1].server is None
+
+
 def test_bench_runs_each_speculative_mode_with_the_controller_on_and_off(prompts_file, monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr(bench, "run_bench", lambda variants, *a, **kw: seen.extend(variants) or {})
