@@ -82,6 +82,7 @@ class Scheduler:
         self.tree_chains = tree_chains
         self.clock = clock
         self._scheduled_at: dict[int, float] = {}  # step id → when it was planned (step times)
+        self._prompt_catch_up = 0  # prompt rows the drafter catches up on ahead of the next step
         self.allocator = allocator
         self.prefix_cache = prefix_cache
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -286,7 +287,11 @@ class Scheduler:
             rows = sum(len(w.token_ids) + w.num_spec_tokens for w in plan.seqs)
             depths = [self.tree_depth if w.seq_id in trees else w.num_spec_tokens for w in plan.seqs]
             levels = [sum(1 for d in depths if d >= j) for j in range(2, max(depths, default=0) + 1)]
-            self.controller.observe_step(rows, levels, self.clock() - start, speculating=sum(1 for d in depths if d))
+            self.controller.observe_step(rows, levels, self.clock() - start, speculating=sum(1 for d in depths if d),
+                                         catch_up_rows=self._prompt_catch_up)
+        # The drafter catches up on this step's prompt chunks right after it, ahead of the
+        # next step on the device: the next step's time carries them.
+        self._prompt_catch_up = sum(len(w.token_ids) for w in plan.seqs if w.draft and not w.is_decode)
 
     def _append(self, seq: Sequence, token_ids: list[int]) -> list[int]:
         new = []

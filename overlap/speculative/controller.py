@@ -98,7 +98,10 @@ class CostModel(Protocol):
     # it draft (the proposal, verification and the speculative path's host work); 0 for none.
     def spec_overhead_ms(self, speculating: int) -> float: ...
 
-    def observe(self, rows: int, drafter_rows: list[int], ms: float, speculating: int = 0) -> None: ...
+    # catch_up_rows: prompt rows the drafter caught up on at the head of this step (queued
+    # behind the previous step, so its time lands in this one's).
+    def observe(self, rows: int, drafter_rows: list[int], ms: float, speculating: int = 0,
+                catch_up_rows: int = 0) -> None: ...
 
 
 class StepCostModel:
@@ -193,11 +196,18 @@ class StepCostModel:
         count, ms = points[-1]
         return ms * speculating / count
 
-    def observe(self, rows: int, drafter_rows: list[int], ms: float, speculating: int = 0) -> None:
+    def observe(self, rows: int, drafter_rows: list[int], ms: float, speculating: int = 0,
+                catch_up_rows: int = 0) -> None:
         if ms <= 0:
             return
+        # The drafter's catch-up over the previous step's prompt rows ran on the device just
+        # before this step: a one-off cost per request, not a price of this step's shape (a
+        # request's first speculative step carried its prompt's catch-up, and two such steps
+        # priced speculation out at batch 1 for good: docs/controller.md, session 8).
+        prompt_catch_up = self.drafter_ms(catch_up_rows)
         if speculating:
-            predicted = self.step_ms(rows) + sum(self.drafter_ms(n) for n in drafter_rows if n)
+            predicted = (self.step_ms(rows) + sum(self.drafter_ms(n) for n in drafter_rows if n)
+                         + prompt_catch_up)
             # Clamped like the ratio below: one stalled step must not rewrite the overhead.
             excess = min(max(ms - predicted, 0.0), predicted)
             self.overhead.setdefault(self._bucket(speculating), _Overhead()).add(excess, speculating)
@@ -205,6 +215,8 @@ class StepCostModel:
         predicted = self._base(rows)
         if predicted <= 0:
             return
+        # Plain steps: compare the rows' own time (the catch-up's predicted share taken out).
+        ms = max(ms - prompt_catch_up, 0.0)
         b = self._bucket(rows)
         ratio = min(4.0, max(0.25, ms / predicted))  # one stalled step must not rewrite the curve
         old = self.correction.get(b, 1.0)
@@ -440,9 +452,11 @@ class SpeculationController:
             self._acc(key, tree).observe(num_drafts, num_accepted)
             (self.tree_population if tree else self.population).observe(num_drafts, num_accepted)
 
-    def observe_step(self, rows: int, drafter_rows: list[int], seconds: float, speculating: int = 0) -> None:
-        """A step's wall time; speculating: how many of its sequences drafted."""
-        self.cost.observe(rows, drafter_rows, seconds * 1e3, speculating)
+    def observe_step(self, rows: int, drafter_rows: list[int], seconds: float, speculating: int = 0,
+                     catch_up_rows: int = 0) -> None:
+        """A step's wall time; speculating: how many of its sequences drafted; catch_up_rows:
+        prompt rows of the previous step that the drafter caught up on ahead of this one."""
+        self.cost.observe(rows, drafter_rows, seconds * 1e3, speculating, catch_up_rows)
 
     def forget(self, key: Hashable) -> None:
         self.acceptance.pop(key, None)

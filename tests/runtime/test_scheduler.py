@@ -144,6 +144,7 @@ class FixedChoices:
 
     def __init__(self, pick):
         self.pick, self.asked, self.observed, self.steps, self.forgotten = pick, [], [], [], []
+        self.catch_ups = []
 
     def choose(self, candidates, other_rows=0, other_tokens=0):
         self.asked.append(([c.options for c in candidates], other_rows, other_tokens))
@@ -152,8 +153,9 @@ class FixedChoices:
     def observe(self, key, num_drafts, num_accepted, tree=False):
         self.observed.append((key, num_drafts, num_accepted) + (("tree",) if tree else ()))
 
-    def observe_step(self, rows, drafter_rows, seconds, speculating=0):
+    def observe_step(self, rows, drafter_rows, seconds, speculating=0, catch_up_rows=0):
         self.steps.append((rows, drafter_rows, seconds))
+        self.catch_ups.append(catch_up_rows)
 
     def should_detach(self, key):
         return False
@@ -183,6 +185,11 @@ def test_a_batch_with_a_prefill_chunk_still_speculates_for_its_decodes():
     assert ctl.steps[-1][0] == 1 + 2 + 10 and ctl.steps[-1][2] > 0  # rows: decode + drafts + chunk
     assert [u.spec_k for u in updates] == [2, None]  # b's step was a prefill
     assert s.stats()["spec_controller"] == "double"
+    # The drafter catches up on a step's prompt chunks ahead of the next step: a's prompt (3
+    # rows) is priced into this step's time, b's chunk (10 rows) into the next one's.
+    assert ctl.catch_ups == [0, 3]
+    fake_run(s)
+    assert ctl.catch_ups == [0, 3, 10]
 
 
 def test_tree_requests_are_offered_chains_or_the_whole_tree():

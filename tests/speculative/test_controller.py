@@ -24,7 +24,7 @@ class Scripted:
     def spec_overhead_ms(self, speculating):
         return self.overhead if speculating else 0.0
 
-    def observe(self, rows, drafter_rows, ms, speculating=0):
+    def observe(self, rows, drafter_rows, ms, speculating=0, catch_up_rows=0):
         self.seen.append((rows, ms))
 
 
@@ -285,6 +285,25 @@ def test_the_price_of_speculating_ignores_a_first_step_and_stray_stalls():
     for _ in range(8):  # the price really rose: the window follows it
         cost.observe(9, [], cost.step_ms(9) + 5.0, speculating=1)
     assert cost.spec_overhead_ms(1) == pytest.approx(5.0)
+
+
+def test_a_prompts_catch_up_is_not_taken_for_the_price_of_speculating():
+    """A request's first speculative step runs behind the drafter's catch-up over its prompt
+    (queued after the prefill step): priced as the drafter over those rows, it neither sets the
+    price of speculating nor bends the plain curve; unpriced, two such steps did (session 8:
+    EAGLE at batch 1 stopped drafting for good)."""
+    cost = StepCostModel({1: 10.0, 256: 200.0}, drafter_fraction=0.1)
+    catch_up = cost.drafter_ms(120)  # a 120-token prompt through the drafter
+    for _ in range(4):
+        cost.observe(4, [], cost.step_ms(4) + 2.0 + catch_up, speculating=1, catch_up_rows=120)
+    assert cost.spec_overhead_ms(1) == pytest.approx(2.0)
+    for _ in range(10):
+        cost.observe(1, [], cost.step_ms(1) + catch_up, catch_up_rows=120)
+    assert cost.step_ms(1) == pytest.approx(10.0)
+    unpriced = StepCostModel({1: 10.0, 256: 200.0}, drafter_fraction=0.1)
+    for _ in range(4):
+        unpriced.observe(4, [], unpriced.step_ms(4) + 2.0 + catch_up, speculating=1)
+    assert unpriced.spec_overhead_ms(1) == pytest.approx(2.0 + catch_up)
 
 
 def test_a_gain_inside_the_cost_models_error_is_not_taken():
