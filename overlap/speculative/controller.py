@@ -203,11 +203,11 @@ class StepCostModel:
         # The drafter's catch-up over the previous step's prompt rows ran on the device just
         # before this step: a one-off cost per request, not a price of this step's shape (a
         # request's first speculative step carried its prompt's catch-up, and two such steps
-        # priced speculation out at batch 1 for good: docs/controller.md, session 8).
-        prompt_catch_up = self.drafter_ms(catch_up_rows)
+        # priced speculation out at batch 1 for good: docs/controller.md, session 8). What is
+        # learned from is the step's own time, its predicted share taken out.
+        ms = max(ms - self.drafter_ms(catch_up_rows), 0.0)
         if speculating:
-            predicted = (self.step_ms(rows) + sum(self.drafter_ms(n) for n in drafter_rows if n)
-                         + prompt_catch_up)
+            predicted = self.step_ms(rows) + sum(self.drafter_ms(n) for n in drafter_rows if n)
             # Clamped like the ratio below: one stalled step must not rewrite the overhead.
             excess = min(max(ms - predicted, 0.0), predicted)
             self.overhead.setdefault(self._bucket(speculating), _Overhead()).add(excess, speculating)
@@ -215,8 +215,6 @@ class StepCostModel:
         predicted = self._base(rows)
         if predicted <= 0:
             return
-        # Plain steps: compare the rows' own time (the catch-up's predicted share taken out).
-        ms = max(ms - prompt_catch_up, 0.0)
         b = self._bucket(rows)
         ratio = min(4.0, max(0.25, ms / predicted))  # one stalled step must not rewrite the curve
         old = self.correction.get(b, 1.0)
