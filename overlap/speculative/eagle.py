@@ -105,7 +105,11 @@ class EagleProposer(HeadProposer):
         draft nothing); q: one-hot."""
         granted = request.layout.num_drafts
         grown = [i for i, k in enumerate(granted) if k]
-        nodes = self.propose_tree([request.seqs[i] for i in grown])  # [Sg, N]
+        # Only chains this step: their tokens are the top path's, and expanding just that path
+        # (one head row per level, as an MTP chain) spares the rest of the tree's expansion.
+        chains_only = all(granted[i] < self.num_nodes for i in grown)
+        only = set(self.top_path[:max(granted[i] for i in grown)]) if grown and chains_only else None
+        nodes = self.propose_tree([request.seqs[i] for i in grown], only)  # [Sg, N]
         # Each grown sequence's columns: its tree's nodes, or its chain's top-path nodes.
         columns = [list(range(self.num_nodes)) if granted[i] == self.num_nodes else
                    [n - 1 for n in self.top_path[:granted[i]]] + [0] * (self.num_nodes - granted[i])
@@ -117,15 +121,18 @@ class EagleProposer(HeadProposer):
     def after_verify(self, verified: Verified) -> None:
         pass  # never asked for: the head catches up after the sync
 
-    def rows_for_level(self, level: int) -> tuple[list[int], torch.Tensor]:
-        """The internal nodes of depth <= level and their [q, q] ancestor mask."""
-        rows = [i for i in self.internal if self.node_depths[i - 1] <= level]
+    def rows_for_level(self, level: int, only: set[int] | None = None) -> tuple[list[int], torch.Tensor]:
+        """The internal nodes of depth <= level (of `only`, an ancestor-closed subset of the
+        nodes, if given) and their [q, q] ancestor mask."""
+        rows = [i for i in self.internal if self.node_depths[i - 1] <= level and (only is None or i in only)]
         index = {node: r for r, node in enumerate(rows)}
         mask = tree_mask_from_parents([index.get(self.node_parents[node - 1], -1) for node in rows])
         return rows, mask
 
-    def propose_tree(self, seqs: list[SeqWork]) -> torch.Tensor:
-        """→ node tokens [B, N] i64 for every sequence of `seqs` (the same shape for all)."""
+    def propose_tree(self, seqs: list[SeqWork], only: set[int] | None = None) -> torch.Tensor:
+        """→ node tokens [B, N] i64 for every sequence of `seqs` (the same shape for all).
+        only: the nodes wanted (ancestor-closed, e.g. a prefix of the top path); the others'
+        columns stay 0 and the head never runs on them."""
         b = len(seqs)
         device = self.kv.k[0].device
         logits = torch.stack([self.carried[s.seq_id][0] for s in seqs])  # [B, V] root's head output
@@ -135,17 +142,19 @@ class EagleProposer(HeadProposer):
         node_logits: dict[int, torch.Tensor] = {0: logits}
         node_hidden: dict[int, torch.Tensor] = {0: root_hidden}
         ranks = self.tree.ranks()
-        for level in range(1, self.depth + 1):
+        depth = self.depth if only is None else max(self.node_depths[n - 1] for n in only)
+        for level in range(1, depth + 1):
             # 1. this level's nodes get their tokens from their parents' top-ranked tokens
-            level_nodes = [n for n in range(1, self.num_nodes + 1) if self.node_depths[n - 1] == level]
+            level_nodes = [n for n in range(1, self.num_nodes + 1)
+                           if self.node_depths[n - 1] == level and (only is None or n in only)]
             top = {p: torch.topk(node_logits[p], min(max(ranks) + 1, node_logits[p].shape[-1])).indices
                    for p in {self.node_parents[n - 1] for n in level_nodes}}
             for node in level_nodes:
                 tokens[:, node] = top[self.node_parents[node - 1]][:, ranks[node - 1]]
-            if level == self.depth:
+            if level == depth:
                 break
             # 2. the head over every internal node so far (ancestors visible), for the next level
-            rows, mask = self.rows_for_level(level)
+            rows, mask = self.rows_for_level(level, only)
             if not rows:
                 break
             q = len(rows)

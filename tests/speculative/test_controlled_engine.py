@@ -3,6 +3,7 @@ chains of different lengths, trees, plain rows and prefill chunks (choices force
 a controller double), and the real controller's choices visible in the stats."""
 
 import pytest
+import torch
 
 from overlap.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from overlap.speculative.controller import ControllerConfig, SpeculationController
@@ -171,3 +172,38 @@ def test_engine_default_controller_calibrates_and_stays_lossless(tiny_dirs, gree
     assert [r.token_ids for r in results] == greedy_reference(ps, 16)
     assert eng.stats()["spec_controller"] == "on"
     assert Engine(cfg, progress=False).controller.cost.as_dict()["points"] == eng.controller.cost.as_dict()["points"]
+
+
+def test_chain_only_steps_expand_just_the_top_path(tiny_dirs, heads, greedy_reference):
+    """A step where every drafting sequence takes a chain runs the head on the top path alone
+    (one more row per level, as an MTP chain) instead of the whole tree, and drafts the tokens
+    the whole tree's expansion has on that path."""
+    ps = varied_prompts(2, seed=31)
+    eng = build(tiny_dirs, heads, "eagle-static", RandomChoices(seed=37, plain_weight=0.1))
+    proposer = eng.executor.proposer
+    expand, run = proposer.propose_tree, proposer._run
+    head_rows: list[int] = []  # rows of each head run of the chain expansion being checked
+    checked = []
+
+    def propose_tree(seqs, only=None):
+        if only is None:
+            return expand(seqs)
+        whole = expand(seqs)  # the expansion rows are scratch: the chain's run rewrites them
+        head_rows.clear()
+        tokens = expand(seqs, only)
+        cols = [n - 1 for n in sorted(only)]
+        assert torch.equal(tokens[:, cols], whole[:, cols])
+        checked.append((len(seqs), len(only), list(head_rows)))
+        return tokens
+
+    def counting_run(ids, *args):
+        head_rows.append(len(ids))
+        return run(ids, *args)
+
+    proposer.propose_tree, proposer._run = propose_tree, counting_run
+    results = eng.generate(ps, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [r.token_ids for r in results] == greedy_reference(ps, 24)
+    assert checked, "no step drafted chains only"
+    for seqs, drafts, rows in checked:
+        # A chain of c drafts: the head runs at levels 1..c-1, over the top path's nodes so far.
+        assert rows == [seqs * level for level in range(1, drafts)], (seqs, drafts, rows)
