@@ -141,6 +141,10 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(seq)
+            if self.controller is not None and seq.num_spec_tokens and not self._admits_drafts(seq):
+                # The batch rules drafts out: the drafter never follows it (as if detached).
+                seq.num_spec_tokens = 0
+                work = msgspec.structs.replace(work, draft=False)
             if self.prefix_cache is not None:
                 self.prefix_cache.record_lookup(len(seq.tokens), seq.num_reused)
             works.append(work)
@@ -170,6 +174,12 @@ class Scheduler:
                 self.by_seq[c.key].num_spec_tokens = 0
         return [msgspec.structs.replace(w, num_spec_tokens=chosen[i].k) if i in chosen else w
                 for i, w in enumerate(works)]
+
+    def _admits_drafts(self, seq: Sequence) -> bool:
+        k = seq.num_spec_tokens
+        options = (tree_options(k, self.tree_depth, k, chains=self.tree_chains) if self.tree_depth
+                   else chain_options(k))
+        return self.controller.admits_drafts(len(self.running), options[1])
 
     def _options(self, work: SeqWork):
         """work.num_spec_tokens is the cap this step (the request's k, less near max_tokens)."""

@@ -35,7 +35,12 @@ costs exactly a plain decode) once it has gone without drafts for
   which no acceptance of its own changes), or
 - `detach_after` steps whatever the reason (its own acceptance stayed too low: slower,
   since acceptance is noisy and `relax` re-probes it meanwhile).
-Under sustained load every sequence detaches within a few steps; new requests start attached.
+Under sustained load every sequence detaches within a few steps. A new request is admitted
+detached at once where the batch it joins already rules speculation out (`admits_drafts`):
+following it would cost its prompt's catch-up and a few steps' for nothing (at concurrency 2
+on the Xeon every request of the draft and EAGLE modes detached after its 3 steps,
+docs/controller.md). Every `probe_every`-th such request is admitted attached anyway, so
+the cost model keeps seeing speculative steps and a load that has eased is noticed.
 
 Pure and deterministic given its inputs: tests drive it with a scripted cost model.
 """
@@ -315,6 +320,7 @@ class ControllerConfig:
     min_gain: float = 1.05
     detach_after: int = 16  # consecutive "no drafts" choices after which a sequence is detached (0: never)
     detach_hopeless: int = 3  # ... or this many of them in batches where speculation could not pay (0: never)
+    probe_every: int = 8  # of the requests the batch would admit detached, this one in n starts attached (0: none)
 
 
 class SpeculationController:
@@ -332,7 +338,8 @@ class SpeculationController:
         self.steps = 0
         self.plain_streak: Counter = Counter()  # key → consecutive steps it was given no drafts
         self.hopeless_streak: Counter = Counter()  # key → of those, steps its batch ruled drafts out
-        self.detached = 0  # sequences detached over the controller's life
+        self.detached = 0  # sequences detached over the controller's life (at admission too)
+        self.turned_away = 0  # requests the batch would have admitted detached (probes included)
 
     def _acc(self, key: Hashable, tree: bool = False) -> Acceptance:
         table, base = (self.tree_acceptance, self.tree_population) if tree else (self.acceptance, self.population)
@@ -387,6 +394,18 @@ class SpeculationController:
         self.forget(key)
         self.detached += 1
         return True
+
+    def admits_drafts(self, batch: int, first: SpecOption) -> bool:
+        """Whether a request joining `batch` decoding sequences (itself included) starts
+        attached: unless the batch rules out `first`, its cheapest option, for an average
+        request (the `detach_hopeless` verdict, given before the drafter has followed it)."""
+        if not self.config.enabled or not self.config.detach_hopeless or not self._hopeless(first, batch, batch):
+            return True
+        self.turned_away += 1
+        if self.config.probe_every and self.turned_away % self.config.probe_every == 0:
+            return True  # a probe: keeps the step costs and acceptance measured
+        self.detached += 1
+        return False
 
     def _time(self, rows: int, levels: list[int], speculating: int) -> float:
         """Predicted ms of a step over `rows` rows where `speculating` sequences draft and

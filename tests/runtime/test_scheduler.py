@@ -160,6 +160,9 @@ class FixedChoices:
     def should_detach(self, key):
         return False
 
+    def admits_drafts(self, batch, first):
+        return True
+
     def forget(self, key):
         self.forgotten.append(key)
 
@@ -223,3 +226,21 @@ def test_dynamic_tree_requests_are_offered_all_or_nothing():
     assert [(o.rows, o.depth) for o in options[0]] == [(0, 0), (6, 3)]
     assert [(o.rows, o.depth) for o in options[1]] == [(0, 0)]  # no room for the tree before max_tokens
     assert [w.num_spec_tokens for w in plan.seqs] == [6, 0]
+
+def test_a_request_is_admitted_detached_where_its_batch_rules_drafts_out():
+    from overlap.speculative.controller import ControllerConfig, SpeculationController
+    from speculative.test_controller import Scripted
+
+    # One draft pays alone (batch 1) and not beside another decode (batch 2).
+    ctl = SpeculationController(Scripted(base=10.0, per_row=5.0), ControllerConfig(probe_every=0))
+    s = Scheduler(SchedulerConfig(max_batched_tokens=64), PageAllocator(64, 4), (2,), ctl)
+    s.add("a", [10, 11, 12], SamplingParams(max_tokens=20), seed=0, num_spec_tokens=3)
+    plan, _ = fake_run(s)
+    assert plan.seqs[0].draft  # alone: the drafter follows it
+    s.add("b", [20, 21, 22], SamplingParams(max_tokens=20), seed=1, num_spec_tokens=3)
+    plan, _ = fake_run(s)
+    drafts = {s.by_seq[w.seq_id].request_id: w.draft for w in plan.seqs}
+    assert drafts == {"a": True, "b": False}
+    assert s.by_request["b"].num_spec_tokens == 0 and ctl.stats()["spec_detached"] == 1
+    plan, _ = fake_run(s)
+    assert [w.num_spec_tokens for w in plan.seqs if s.by_seq[w.seq_id].request_id == "b"] == [0]

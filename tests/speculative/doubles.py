@@ -146,6 +146,9 @@ class RandomChoices:
     def should_detach(self, key):
         return False
 
+    def admits_drafts(self, batch, first):
+        return True
+
     def forget(self, key):
         pass
 

@@ -142,21 +142,27 @@ def test_a_compute_bound_cost_curve_turns_speculation_off(tiny_dirs, greedy_refe
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
-def test_detached_sequences_stop_being_followed_and_stay_lossless(tiny_dirs, heads, greedy_reference, drafter):
-    """A compute-bound curve: no drafts ever, and the batch rules them out, so after
-    `detach_hopeless` steps every sequence is detached and its later steps carry no drafter
-    work (draft=False); outputs unchanged."""
+@pytest.mark.parametrize("when", ["after steps", "at admission"])
+def test_detached_sequences_stop_being_followed_and_stay_lossless(tiny_dirs, heads, greedy_reference, drafter, when):
+    """A compute-bound curve: no drafts ever, and the batch rules them out, so every sequence
+    is detached, and from then on its steps carry no drafter work (draft=False); outputs
+    unchanged. At admission (the default): the drafter never follows it, not even over its
+    prompt. After steps (each request admitted as a probe): after `detach_hopeless` of them."""
     ps = prompts(3, seed=9)
+    probe_every = 1 if when == "after steps" else 0
     steep = SpeculationController(Scripted(base=1.0, per_row=10.0, drafter=0.1),
-                                  ControllerConfig(relax=0.0, detach_after=16, detach_hopeless=4))
+                                  ControllerConfig(relax=0.0, detach_after=16, detach_hopeless=4, probe_every=probe_every))
     eng = build(tiny_dirs, heads, drafter, steep)
     plans = record_plans(eng)
     results = eng.generate(ps, SamplingParams(max_tokens=16, ignore_eos=True))
     assert [r.token_ids for r in results] == greedy_reference(ps, 16)
     assert eng.stats()["spec_detached"] == len(ps)
-    followed = [sum(1 for p in plans for w in p.seqs if w.seq_id == s and w.draft and w.is_decode)
-                for s in {w.seq_id for p in plans for w in p.seqs}]
-    assert followed and all(n == 4 for n in followed), followed  # 4 hopeless plain choices, then detached
+    seqs = {w.seq_id for p in plans for w in p.seqs}
+    followed = [sum(1 for p in plans for w in p.seqs if w.seq_id == s and w.draft and w.is_decode) for s in seqs]
+    if when == "after steps":
+        assert followed and all(n == 4 for n in followed), followed  # 4 hopeless plain choices, then detached
+    else:
+        assert len(followed) == len(ps) and not any(w.draft for p in plans for w in p.seqs)
 
 
 def test_engine_default_controller_calibrates_and_stays_lossless(tiny_dirs, greedy_reference, tmp_path, monkeypatch):

@@ -323,3 +323,16 @@ def test_a_new_request_starts_from_what_every_request_did():
     assert ctl.population.at(1) < 0.1
     assert ctl.choose([Candidate("new", chain_options(2))]) == [PLAIN]
     assert ctl._acc("new").at(1) == ctl.population.at(1)
+
+
+def test_a_request_joining_a_batch_that_rules_drafts_out_is_admitted_detached():
+    """Base 10 ms + 5 ms a row: one draft with the prior's acceptance pays in a batch of 1 and
+    not in a batch of 2. Every probe_every-th request turned away is admitted anyway."""
+    ctl = controller(Scripted(base=10.0, per_row=5.0), probe_every=3)
+    one = SpecOption(1, 1)
+    assert ctl.admits_drafts(1, one)
+    assert [ctl.admits_drafts(2, one) for _ in range(6)] == [False, False, True, False, False, True]
+    assert ctl.stats()["spec_detached"] == 4
+    off = controller(Scripted(base=10.0, per_row=5.0), enabled=False)
+    never = controller(Scripted(base=10.0, per_row=5.0), detach_hopeless=0)
+    assert off.admits_drafts(2, one) and never.admits_drafts(2, one)
