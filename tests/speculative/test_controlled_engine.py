@@ -133,7 +133,9 @@ def test_the_real_controller_in_the_engine_shows_its_choices(tiny_dirs, greedy_r
 
 def test_a_compute_bound_cost_curve_turns_speculation_off(tiny_dirs, greedy_reference):
     ps = prompts(4, seed=6)
-    steep = SpeculationController(Scripted(base=1.0, per_row=10.0, drafter=0.1), ControllerConfig(relax=0.0))
+    # Every request admitted attached (a probe), so the controller is asked each step.
+    steep = SpeculationController(Scripted(base=1.0, per_row=10.0, drafter=0.1),
+                                  ControllerConfig(relax=0.0, probe_every=1))
     eng = test_spec_engine.engine(tiny_dirs, "draft", draft="draft", k=3, controller=steep)
     results = eng.generate(ps, SamplingParams(max_tokens=16, ignore_eos=True))
     assert [r.token_ids for r in results] == greedy_reference(ps, 16)
