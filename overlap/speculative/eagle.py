@@ -25,6 +25,9 @@ top-1 draft at each level: an MTP chain, verified in the same pass as a one-chil
 tree. Its tokens come from the same expansion as the trees (the top path is part of every
 tree), so chains and trees of one step share one proposal; a chain is granted only where the
 sequence's pages hold the expansion's rows (near max_tokens it may not: it decodes plainly).
+A step with chains only is an MTP step: the head expands the top path alone and the target
+verifies causal chains (no tree mask, no tree walk; measured 1-2 ms and ~6 ms a step at batch
+1 on the Xeon, docs/controller.md).
 """
 
 from __future__ import annotations
@@ -93,6 +96,9 @@ class EagleProposer(HeadProposer):
 
     def plan(self, batch: BatchPlan, sampled: list[SeqWork], ks: list[int], wait) -> DraftLayout:
         granted = [self._granted(k, s) for k, s in zip(ks, sampled)]
+        if all(g < self.num_nodes for g in granted):
+            # Chains only: verified as causal chains, as MTP's (no tree mask, no tree walk).
+            return DraftLayout.chains(granted, keep_hidden=True)
         shapes = [self.verified_shapes.get(g) for g in granted]  # None: no drafts
         depth = max((max(sh.depths) for sh in shapes if sh), default=self.depth)
         tree = TreeLayout([sh and sh.parents for sh in shapes], [sh and sh.order for sh in shapes],
@@ -101,21 +107,22 @@ class EagleProposer(HeadProposer):
                            keep_hidden=True)
 
     def propose(self, request: DraftRequest) -> Proposal:
-        """→ node tokens [S, N] (a chain's in its first columns; zeros for the sequences that
-        draft nothing); q: one-hot."""
-        granted = request.layout.num_drafts
+        """→ draft tokens [S, W] (W: the tree's nodes, or the longest chain in a chains-only
+        step; a chain's in its first columns; zeros for the sequences that draft nothing);
+        q: one-hot."""
+        granted, width = request.layout.num_drafts, request.layout.width
         grown = [i for i, k in enumerate(granted) if k]
         # Only chains this step: their tokens are the top path's, and expanding just that path
         # (one head row per level, as an MTP chain) spares the rest of the tree's expansion.
-        chains_only = all(granted[i] < self.num_nodes for i in grown)
+        chains_only = request.layout.tree is None
         only = set(self.top_path[:max(granted[i] for i in grown)]) if grown and chains_only else None
         nodes = self.propose_tree([request.seqs[i] for i in grown], only)  # [Sg, N]
         # Each grown sequence's columns: its tree's nodes, or its chain's top-path nodes.
         columns = [list(range(self.num_nodes)) if granted[i] == self.num_nodes else
-                   [n - 1 for n in self.top_path[:granted[i]]] + [0] * (self.num_nodes - granted[i])
+                   [n - 1 for n in self.top_path[:granted[i]]] + [0] * (width - granted[i])
                    for i in grown]
         rows, picks = upload(nodes.device, (grown, torch.long), (columns, torch.long))
-        tokens = torch.zeros(len(request.seqs), self.num_nodes, dtype=torch.long, device=nodes.device)
+        tokens = torch.zeros(len(request.seqs), width, dtype=torch.long, device=nodes.device)
         return Proposal(tokens.index_copy(0, rows, nodes.gather(1, picks)), None)
 
     def after_verify(self, verified: Verified) -> None:

@@ -30,6 +30,8 @@ from overlap.speculative.tree import TreeShape, children_table
 
 def verify_chain(target_probs, draft_probs, draft_tokens, num_drafts, seed, first_position, *,
                  residual: bool = True, accept_offset: int = 0, at_depth: int | None = None):
+    if draft_probs is None:  # deterministic drafts (the real verifier's one-hot q, made explicit)
+        draft_probs = torch.nn.functional.one_hot(draft_tokens, target_probs.shape[-1]).to(target_probs.dtype)
     b, k, vocab = draft_probs.shape
     rows = torch.arange(b, device=draft_tokens.device)
     cols = torch.arange(k, device=draft_tokens.device)
