@@ -183,7 +183,12 @@ class StepCostModel:
         return self._base(rows) * self.correction.get(self._bucket(rows), 1.0)
 
     def drafter_ms(self, rows: int) -> float:
-        return self.drafter_fraction * self.step_ms(rows) if rows else 0.0
+        # A fraction of the measured forward, not of the corrected step: the correction is what
+        # a whole step pays beyond its forward (scheduling, sampling, the host's share), which a
+        # drafter level inside the step does not pay again. Of the corrected step, a head level
+        # at batch 1 was priced 3.1 ms where the 1-row correction was 1.48, and the controller
+        # chose k = 1 where fixed k = 3 ran 9% faster (docs/controller.md, session 9).
+        return self.drafter_fraction * self._base(rows) if rows else 0.0
 
     def spec_overhead_ms(self, speculating: int) -> float:
         seen = {b: o for b, o in self.overhead.items() if o.ready}

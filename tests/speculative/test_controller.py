@@ -336,3 +336,12 @@ def test_a_request_joining_a_batch_that_rules_drafts_out_is_admitted_detached():
     off = controller(Scripted(base=10.0, per_row=5.0), enabled=False)
     never = controller(Scripted(base=10.0, per_row=5.0), detach_hopeless=0)
     assert off.admits_drafts(2, one) and never.admits_drafts(2, one)
+
+
+def test_a_drafter_level_is_priced_from_the_measured_forward_not_the_corrected_step():
+    """Plain steps observed 50% over the curve (host work around the forward) bend the target's
+    step cost; a drafter level inside the step costs its fraction of the forward alone."""
+    cost = StepCostModel({1: 20.0, 8: 40.0}, drafter_fraction=0.1, alpha=1.0)
+    cost.observe(1, [], 30.0)
+    assert cost.step_ms(1) == pytest.approx(30.0)
+    assert cost.drafter_ms(1) == pytest.approx(2.0)
