@@ -298,7 +298,7 @@ class Scheduler:
             depths = [self.tree_depth if w.seq_id in trees else w.num_spec_tokens for w in plan.seqs]
             levels = [sum(1 for d in depths if d >= j) for j in range(2, max(depths, default=0) + 1)]
             self.controller.observe_step(rows, levels, self.clock() - start, speculating=sum(1 for d in depths if d),
-                                         catch_up_rows=self._prompt_catch_up)
+                                         catch_up_rows=self._prompt_catch_up, tree=bool(trees))
         # The drafter catches up on this step's prompt chunks right after it, ahead of the
         # next step on the device: the next step's time carries them.
         self._prompt_catch_up = sum(len(w.token_ids) for w in plan.seqs if w.draft and not w.is_decode)

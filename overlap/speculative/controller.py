@@ -101,12 +101,13 @@ class CostModel(Protocol):
 
     # What a step pays beyond its rows and the drafter's levels when `speculating` sequences in
     # it draft (the proposal, verification and the speculative path's host work); 0 for none.
-    def spec_overhead_ms(self, speculating: int) -> float: ...
+    # tree: a step that verifies at least one tree (EAGLE), priced apart from chains-only steps.
+    def spec_overhead_ms(self, speculating: int, tree: bool = False) -> float: ...
 
     # catch_up_rows: prompt rows the drafter caught up on at the head of this step (queued
     # behind the previous step, so its time lands in this one's).
     def observe(self, rows: int, drafter_rows: list[int], ms: float, speculating: int = 0,
-                catch_up_rows: int = 0) -> None: ...
+                catch_up_rows: int = 0, tree: bool = False) -> None: ...
 
 
 class StepCostModel:
@@ -137,9 +138,11 @@ class StepCostModel:
         self.drafter_fraction = drafter_fraction
         self.alpha = alpha
         self.correction: dict[int, float] = {}  # bucket → observed / predicted (EMA), plain steps
-        # bucket of speculating sequences → its speculative steps: (ms beyond the prediction,
-        # sequences drafting), the last `window` of them; the first one is skipped (_Overhead)
-        self.overhead: dict[int, _Overhead] = {}
+        # (bucket of speculating sequences, tree step?) → its speculative steps: (ms beyond the
+        # prediction, sequences drafting), the last `window` of them; the first one is skipped
+        # (_Overhead). Tree steps apart: a tree's expansion and walk cost more than a chain's,
+        # and one median over both priced EAGLE's trees at its chains' price (session 9).
+        self.overhead: dict[tuple[int, bool], _Overhead] = {}
 
     @classmethod
     def from_report(cls, report: dict, drafter: str | None = None, batch=None) -> "StepCostModel":
@@ -160,7 +163,8 @@ class StepCostModel:
         # String keys: the stats travel as JSON too (HTTP, bench reports).
         return {"points": {str(r): ms for r, ms in zip(self.rows, self.ms)}, "drafter_fraction": self.drafter_fraction,
                 "correction": {str(1 << (b - 1)): c for b, c in sorted(self.correction.items())},
-                "spec_overhead_ms": {str(1 << (b - 1)): o.ms for b, o in sorted(self.overhead.items()) if o.ready}}
+                "spec_overhead_ms": {("tree " if t else "") + str(1 << (b - 1)): o.ms
+                                     for (b, t), o in sorted(self.overhead.items()) if o.ready}}
 
     @staticmethod
     def _bucket(rows: int) -> int:
@@ -190,8 +194,10 @@ class StepCostModel:
         # chose k = 1 where fixed k = 3 ran 9% faster (docs/controller.md, session 9).
         return self.drafter_fraction * self._base(rows) if rows else 0.0
 
-    def spec_overhead_ms(self, speculating: int) -> float:
-        seen = {b: o for b, o in self.overhead.items() if o.ready}
+    def spec_overhead_ms(self, speculating: int, tree: bool = False) -> float:
+        # This kind's buckets; the other kind's until this one has been seen.
+        seen = ({b: o for (b, t), o in self.overhead.items() if o.ready and t == tree}
+                or {b: o for (b, t), o in self.overhead.items() if o.ready})
         if speculating <= 0 or not seen:
             return 0.0
         own = seen.get(self._bucket(speculating))
@@ -207,7 +213,7 @@ class StepCostModel:
         return ms * speculating / count
 
     def observe(self, rows: int, drafter_rows: list[int], ms: float, speculating: int = 0,
-                catch_up_rows: int = 0) -> None:
+                catch_up_rows: int = 0, tree: bool = False) -> None:
         if ms <= 0:
             return
         # The drafter's catch-up over the previous step's prompt rows ran on the device just
@@ -220,7 +226,7 @@ class StepCostModel:
             predicted = self.step_ms(rows) + sum(self.drafter_ms(n) for n in drafter_rows if n)
             # Clamped like the ratio below: one stalled step must not rewrite the overhead.
             excess = min(max(ms - predicted, 0.0), predicted)
-            self.overhead.setdefault(self._bucket(speculating), _Overhead()).add(excess, speculating)
+            self.overhead.setdefault((self._bucket(speculating), tree), _Overhead()).add(excess, speculating)
             return
         predicted = self._base(rows)
         if predicted <= 0:
@@ -412,11 +418,11 @@ class SpeculationController:
         self.detached += 1
         return False
 
-    def _time(self, rows: int, levels: list[int], speculating: int) -> float:
+    def _time(self, rows: int, levels: list[int], speculating: int, tree: bool = False) -> float:
         """Predicted ms of a step over `rows` rows where `speculating` sequences draft and
-        levels[j] of them run drafter level j + 2."""
+        levels[j] of them run drafter level j + 2; tree: at least one of them a tree."""
         return (self.cost.step_ms(rows) + sum(self.cost.drafter_ms(n) for n in levels if n)
-                + self.cost.spec_overhead_ms(speculating))
+                + self.cost.spec_overhead_ms(speculating, tree))
 
     def _hopeless(self, option: SpecOption, rows: int, tokens: float) -> bool:
         """Whether `option` for one sequence, with the acceptance of an average request (the
@@ -424,7 +430,7 @@ class SpeculationController:
         tokens: the batch, not the sequence, rules speculation out."""
         gain = self.population.expected_tokens(option.depth) - 1.0
         levels = [1] * max(0, option.depth - 1)
-        rate = (tokens + gain) / self._time(rows + option.rows, levels, 1)
+        rate = (tokens + gain) / self._time(rows + option.rows, levels, 1, option.tree)
         return rate <= tokens / self._time(rows, [], 0) * self.config.min_gain
 
     def _search(self, candidates: list[Candidate], other_rows: int, other_tokens: int) -> list[SpecOption]:
@@ -434,6 +440,7 @@ class SpeculationController:
         tokens = other_tokens + float(n)
         max_depth = max((c.options[-1].depth for c in candidates), default=0)
         drafting = [0] * (max_depth + 1)  # drafting[j]: sequences drafting at depth >= j (j >= 1)
+        trees = 0  # sequences whose option is a tree
         plain_rate = tokens / self._time(rows, [], 0)
         best_rate, best_len, path = plain_rate * self.config.min_gain, 0, []
 
@@ -457,7 +464,8 @@ class SpeculationController:
             level[i] += 1
             path.append(i)
             # Draft 1 comes from the carried distribution; each deeper one costs a drafter step.
-            rate = tokens / self._time(rows, drafting[2:], drafting[1])
+            trees += nxt.tree - cur.tree
+            rate = tokens / self._time(rows, drafting[2:], drafting[1], trees > 0)
             if rate > best_rate:
                 best_rate, best_len = rate, len(path)
             push(heap, i)
@@ -475,10 +483,11 @@ class SpeculationController:
             (self.tree_population if tree else self.population).observe(num_drafts, num_accepted)
 
     def observe_step(self, rows: int, drafter_rows: list[int], seconds: float, speculating: int = 0,
-                     catch_up_rows: int = 0) -> None:
+                     catch_up_rows: int = 0, tree: bool = False) -> None:
         """A step's wall time; speculating: how many of its sequences drafted; catch_up_rows:
-        prompt rows of the previous step that the drafter caught up on ahead of this one."""
-        self.cost.observe(rows, drafter_rows, seconds * 1e3, speculating, catch_up_rows)
+        prompt rows of the previous step that the drafter caught up on ahead of this one;
+        tree: whether one of them verified a tree."""
+        self.cost.observe(rows, drafter_rows, seconds * 1e3, speculating, catch_up_rows, tree)
 
     def forget(self, key: Hashable) -> None:
         self.acceptance.pop(key, None)

@@ -153,7 +153,7 @@ class FixedChoices:
     def observe(self, key, num_drafts, num_accepted, tree=False):
         self.observed.append((key, num_drafts, num_accepted) + (("tree",) if tree else ()))
 
-    def observe_step(self, rows, drafter_rows, seconds, speculating=0, catch_up_rows=0):
+    def observe_step(self, rows, drafter_rows, seconds, speculating=0, catch_up_rows=0, tree=False):
         self.steps.append((rows, drafter_rows, seconds))
         self.catch_ups.append(catch_up_rows)
 

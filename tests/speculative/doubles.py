@@ -142,7 +142,7 @@ class RandomChoices:
     def observe(self, key, num_drafts, num_accepted, tree=False):
         pass
 
-    def observe_step(self, rows, drafter_rows, seconds, speculating=0, catch_up_rows=0):
+    def observe_step(self, rows, drafter_rows, seconds, speculating=0, catch_up_rows=0, tree=False):
         pass
 
     def should_detach(self, key):

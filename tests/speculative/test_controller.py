@@ -21,10 +21,10 @@ class Scripted:
     def drafter_ms(self, rows):
         return self.drafter * self.step_ms(rows)
 
-    def spec_overhead_ms(self, speculating):
+    def spec_overhead_ms(self, speculating, tree=False):
         return self.overhead if speculating else 0.0
 
-    def observe(self, rows, drafter_rows, ms, speculating=0, catch_up_rows=0):
+    def observe(self, rows, drafter_rows, ms, speculating=0, catch_up_rows=0, tree=False):
         self.seen.append((rows, ms))
 
 
@@ -345,3 +345,23 @@ def test_a_drafter_level_is_priced_from_the_measured_forward_not_the_corrected_s
     cost.observe(1, [], 30.0)
     assert cost.step_ms(1) == pytest.approx(30.0)
     assert cost.drafter_ms(1) == pytest.approx(2.0)
+
+
+def test_tree_steps_and_chain_steps_learn_their_own_price():
+    """EAGLE: a step with a tree pays its expansion and walk, a chains-only step an MTP step's
+    work; each kind is learned apart, and a kind not seen yet borrows the other's."""
+    cost = StepCostModel({1: 10.0, 16: 40.0})
+    for _ in range(3):
+        cost.observe(2, [], 12.0, speculating=1)  # chains: 2 ms over the curve (10 + 2 rows' slope)
+    assert cost.spec_overhead_ms(1, tree=True) == pytest.approx(cost.spec_overhead_ms(1))  # borrowed
+    for _ in range(3):
+        cost.observe(9, [], 35.0, speculating=1, tree=True)
+    chain, tree = cost.spec_overhead_ms(1), cost.spec_overhead_ms(1, tree=True)
+    assert chain == pytest.approx(12.0 - cost.step_ms(2)) and tree == pytest.approx(35.0 - cost.step_ms(9))
+    assert set(cost.as_dict()["spec_overhead_ms"]) == {"1", "tree 1"}
+    # The controller prices a tree with the tree's overhead: here it loses to a chain.
+    ctl = SpeculationController(cost, ControllerConfig(min_gain=1.0))
+    ctl.tree_population.rates = [0.9, 0.9, 0.9]
+    ctl.population.rates = [0.8, 0.7, 0.6]
+    picked = ctl.choose([Candidate("a", tree_options(8, 3, 8))])[0]
+    assert not picked.tree and picked.depth > 0
