@@ -553,8 +553,11 @@ def build_executor(config: EngineConfig, model: LlamaModel) -> Executor:
 def graph_q_lens(config: EngineConfig) -> list[int]:
     """The uniform q_lens this configuration's steps run with: 1 (decode) and 2..k+1 (the
     verify pass of a chain of k drafts, or fewer: the scheduler cuts drafts short near
-    max_tokens and the context end, and n-gram finds fewer). Tree verify passes carry a
-    mask and are not graphed."""
+    max_tokens and the context end, and n-gram finds fewer). EAGLE's fixed tree: its
+    chains-only steps are causal chains of up to the tree's depth. Tree verify passes carry
+    a mask and are not graphed."""
     spec = config.spec
     k = spec.num_spec_tokens if spec.method in ("draft", "ngram", "mtp") else 0
+    if spec.method == "eagle" and spec.tree == "static":
+        k = spec.tree_depth
     return list(range(1, (k or 0) + 2))

@@ -65,6 +65,13 @@ class SeqUpdate:
     spec_k: int | None = None  # drafts (or tree nodes) the step verified; None: not a speculating decode
 
 
+def tree_arguments(spec) -> dict:
+    """The Scheduler's tree_depth and tree_chains for a SpecConfig (the engine's scheduler and
+    the server's build theirs alike): EAGLE's trees, with chains along a fixed tree's top path."""
+    eagle = spec.method == "eagle"
+    return {"tree_depth": spec.tree_depth if eagle else 0, "tree_chains": eagle and spec.tree == "static"}
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator,
                  eos_token_ids: tuple[int, ...] = (), controller: SpeculationController | None = None,

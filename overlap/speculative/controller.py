@@ -112,7 +112,8 @@ class CostModel(Protocol):
 
 class StepCostModel:
     """Target ms vs total query rows: piecewise linear between measured points, linear past
-    the last; the drafter step is `drafter_fraction` of a target step over the same rows.
+    the last; the drafter step is `drafter_fraction` of the measured (uncorrected) forward
+    over the same rows.
 
     Online correction: each observed plain step (its rows and its wall time) updates an
     exponential average of observed / predicted for the rows bucket it fell in (buckets by
@@ -126,7 +127,8 @@ class StepCostModel:
     left is the proposal, the verification and their host work, which a bare cost curve does
     not see. It grows with the number of sequences that draft (each has its own proposal,
     acceptance walk and KV moves), so it is learned per bucket of that number (powers of
-    two), and a bucket not yet seen is priced per sequence from the nearest one that was. One
+    two) and apart for steps that verify a tree (EAGLE) and chains-only steps; a bucket not
+    yet seen is priced per sequence from the nearest one that was, a kind not yet seen at 0. One
     price for every batch size was tried first: learned mostly in small batches, it made a
     draft in a batch of 8 look nearly free (docs/controller.md)."""
 
@@ -195,9 +197,9 @@ class StepCostModel:
         return self.drafter_fraction * self._base(rows) if rows else 0.0
 
     def spec_overhead_ms(self, speculating: int, tree: bool = False) -> float:
-        # This kind's buckets; the other kind's until this one has been seen.
-        seen = ({b: o for (b, t), o in self.overhead.items() if o.ready and t == tree}
-                or {b: o for (b, t), o in self.overhead.items() if o.ready})
+        # This kind's buckets only: a kind not seen yet is free, so it gets tried and measured
+        # (borrowing the tree's price kept EAGLE's cheaper chains from ever being tried).
+        seen = {b: o for (b, t), o in self.overhead.items() if o.ready and t == tree}
         if speculating <= 0 or not seen:
             return 0.0
         own = seen.get(self._bucket(speculating))
@@ -428,7 +430,7 @@ class SpeculationController:
         """Whether `option` for one sequence, with the acceptance of an average request (the
         population's), would lose to plain decoding in a batch of `rows` rows producing `tokens`
         tokens: the batch, not the sequence, rules speculation out."""
-        gain = self.population.expected_tokens(option.depth) - 1.0
+        gain = (self.tree_population if option.tree else self.population).expected_tokens(option.depth) - 1.0
         levels = [1] * max(0, option.depth - 1)
         rate = (tokens + gain) / self._time(rows + option.rows, levels, 1, option.tree)
         return rate <= tokens / self._time(rows, [], 0) * self.config.min_gain

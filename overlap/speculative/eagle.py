@@ -84,9 +84,10 @@ class EagleProposer(HeadProposer):
 
     def _granted(self, k: int, seq: SeqWork) -> int:
         """Drafts a sequence asked for k gets: the tree (k >= its nodes), a chain of up to the
-        top path's length, or none. A chain's tokens come from the tree's expansion, whose head
-        rows sit at the sequence's slots after its last token (one per internal node): only
-        where its pages reach that far. Near max_tokens the scheduler reserves pages for fewer
+        top path's length, or none. A chain's tokens come from the tree's expansion (in a
+        chains-only step, its top path's), whose head rows sit at the sequence's slots after
+        its last token (one per internal node expanded): only where its pages reach that far
+        (checked for the whole tree: the step's kind is not known per sequence here). Near max_tokens the scheduler reserves pages for fewer
         drafts than the tree has nodes, and such a sequence decodes plainly."""
         if k >= self.num_nodes:
             return self.num_nodes

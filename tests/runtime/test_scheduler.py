@@ -244,3 +244,14 @@ def test_a_request_is_admitted_detached_where_its_batch_rules_drafts_out():
     assert s.by_request["b"].num_spec_tokens == 0 and ctl.stats()["spec_detached"] == 1
     plan, _ = fake_run(s)
     assert [w.num_spec_tokens for w in plan.seqs if s.by_seq[w.seq_id].request_id == "b"] == [0]
+
+
+def test_the_engine_and_the_server_offer_eagle_chains_alike():
+    from overlap.config import SpecConfig
+    from runtime.scheduler import tree_arguments
+
+    assert tree_arguments(SpecConfig(method="eagle")) == {"tree_depth": 3, "tree_chains": True}
+    assert tree_arguments(SpecConfig(method="eagle", tree="dynamic")) == {"tree_depth": 3, "tree_chains": False}
+    assert tree_arguments(SpecConfig(method="mtp")) == {"tree_depth": 0, "tree_chains": False}
+    for module in ("runtime/engine.py", "runtime/scheduler_proc.py"):  # both build their Scheduler with it
+        assert "**tree_arguments(config.spec)" in open(module).read()

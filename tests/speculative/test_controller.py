@@ -349,15 +349,15 @@ def test_a_drafter_level_is_priced_from_the_measured_forward_not_the_corrected_s
 
 def test_tree_steps_and_chain_steps_learn_their_own_price():
     """EAGLE: a step with a tree pays its expansion and walk, a chains-only step an MTP step's
-    work; each kind is learned apart, and a kind not seen yet borrows the other's."""
+    work; each kind is learned apart, and a kind not seen yet is free (so it gets tried)."""
     cost = StepCostModel({1: 10.0, 16: 40.0})
     for _ in range(3):
-        cost.observe(2, [], 12.0, speculating=1)  # chains: 2 ms over the curve (10 + 2 rows' slope)
-    assert cost.spec_overhead_ms(1, tree=True) == pytest.approx(cost.spec_overhead_ms(1))  # borrowed
+        cost.observe(2, [], 14.0, speculating=1)  # chains: 2 ms over the curve's 12 at 2 rows
+    assert cost.spec_overhead_ms(1) > 0 and cost.spec_overhead_ms(1, tree=True) == 0.0
     for _ in range(3):
         cost.observe(9, [], 35.0, speculating=1, tree=True)
     chain, tree = cost.spec_overhead_ms(1), cost.spec_overhead_ms(1, tree=True)
-    assert chain == pytest.approx(12.0 - cost.step_ms(2)) and tree == pytest.approx(35.0 - cost.step_ms(9))
+    assert chain == pytest.approx(2.0) and tree == pytest.approx(35.0 - cost.step_ms(9))
     assert set(cost.as_dict()["spec_overhead_ms"]) == {"1", "tree 1"}
     # The controller prices a tree with the tree's overhead: here it loses to a chain.
     ctl = SpeculationController(cost, ControllerConfig(min_gain=1.0))
@@ -365,3 +365,15 @@ def test_tree_steps_and_chain_steps_learn_their_own_price():
     ctl.population.rates = [0.8, 0.7, 0.6]
     picked = ctl.choose([Candidate("a", tree_options(8, 3, 8))])[0]
     assert not picked.tree and picked.depth > 0
+
+
+def test_admission_judges_a_tree_by_the_trees_acceptance():
+    """EAGLE-2's dynamic trees offer the tree alone: whether it pays at admission is read from
+    the trees' population, not the chains' (which a dynamic tree never updates)."""
+    ctl = controller(Scripted(base=10.0, per_row=1.0), probe_every=0)
+    tree = SpecOption(8, 3, tree=True)
+    ctl.population.rates = [0.0, 0.0, 0.0]
+    ctl.tree_population.rates = [0.9, 0.8, 0.8]
+    assert ctl.admits_drafts(2, tree)
+    ctl.tree_population.rates = [0.05, 0.0, 0.0]
+    assert not ctl.admits_drafts(2, tree)
