@@ -183,17 +183,19 @@ class Scheduler:
                 for i, w in enumerate(works)]
 
     def _admits_drafts(self, seq: Sequence) -> bool:
-        k = seq.num_spec_tokens
-        options = (tree_options(k, self.tree_depth, k, chains=self.tree_chains) if self.tree_depth
-                   else chain_options(k))
-        return self.controller.admits_drafts(len(self.running), options[1])
+        # Judged by its cheapest option (options[0] is plain decoding).
+        first = self._capped_options(seq.num_spec_tokens, seq.num_spec_tokens)[1]
+        return self.controller.admits_drafts(len(self.running), first)
 
     def _options(self, work: SeqWork):
         """work.num_spec_tokens is the cap this step (the request's k, less near max_tokens)."""
+        return self._capped_options(self.by_seq[work.seq_id].num_spec_tokens, work.num_spec_tokens)
+
+    def _capped_options(self, k: int, cap: int):
+        """A request's options for its k (EAGLE: the tree's nodes) under this step's cap."""
         if self.tree_depth:
-            nodes = self.by_seq[work.seq_id].num_spec_tokens
-            return tree_options(nodes, self.tree_depth, work.num_spec_tokens, chains=self.tree_chains)
-        return chain_options(work.num_spec_tokens)
+            return tree_options(k, self.tree_depth, cap, chains=self.tree_chains)
+        return chain_options(cap)
 
     def _try_schedule(self, seq: Sequence, budget: int, preempt: bool) -> SeqWork | None:
         if self.prefix_cache is not None and not seq.pages:
