@@ -10,6 +10,8 @@ other CPUs reach this kernel's variants too.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import os
@@ -76,14 +78,37 @@ def _library():
     # worktree, an upgrade) each keep their own build instead of rebuilding over each other.
     module = f"overlap_kernels_{name}_{_sources_digest()}"
     build_dir = Path(cpp_extension._get_build_directory(module, False))
-    if not (build_dir / f"{module}.so").exists():
-        print(f"overlap: compiling the CPU kernels ({name}; once per machine, about a minute)", file=sys.stderr, flush=True)
-    lib = cpp_extension.load(
-        name=module, sources=SOURCES,
-        extra_cflags=["-O3", "-ffp-contract=off", f"-DOVERLAP_VARIANT={variant}", *flags],
-        extra_ldflags=["-lpthread"], verbose=False)
+    with _exclusive_build(build_dir):
+        if not (build_dir / f"{module}.so").exists():
+            print(f"overlap: compiling the CPU kernels ({name}; once per machine, about a minute)",
+                  file=sys.stderr, flush=True)
+        lib = cpp_extension.load(
+            name=module, sources=SOURCES,
+            extra_cflags=["-O3", "-ffp-contract=off", f"-DOVERLAP_VARIANT={variant}", *flags],
+            extra_ldflags=["-lpthread"], verbose=False)
     assert lib.variant() == variant
     return lib
+
+
+@contextlib.contextmanager
+def _exclusive_build(build_dir: Path):
+    """One builder or loader of this module at a time, through a kernel lock (flock) that dies
+    with its process. torch's own build lock is a plain file that a process killed mid-build
+    (a test's timeout, Ctrl-C, a session ending) leaves behind, and every later load then waits
+    on it forever; under our lock no other process of ours can be building, so such a file is
+    stale and is removed."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir.parent / f"{build_dir.name}.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                print(f"overlap: removing a build lock left by a process that died ({stale})",
+                      file=sys.stderr, flush=True)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def variant_name() -> str:
