@@ -308,9 +308,13 @@ class AsyncClient:
         return self._queues[key]
 
     async def _next(self, key: str, queue: asyncio.Queue, timeout: float | None):
+        # asyncio.timeout, not wait_for: before Python 3.12, wait_for returns a reply that arrived
+        # in the same loop turn as a cancel and drops the cancel, so a reader the HTTP server
+        # cancelled for a departed client read its request to the end.
         try:
-            return await asyncio.wait_for(queue.get(), self.timeout if timeout is None else timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.timeout if timeout is None else timeout):
+                return await queue.get()
+        except TimeoutError:
             raise ClientTimeout(f"no reply from {self.address} for {key!r} within the timeout") from None
 
     async def _ask(self, msg, key: str, timeout: float | None):

@@ -238,8 +238,9 @@ class TokenizerService:
         self.stats_queries[query_id] = fut
         await self.send_to_scheduler.send(ipc.encode(StatsQuery(query_id)))
         try:
-            scheduler = await asyncio.wait_for(fut, STATS_TIMEOUT_S)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(STATS_TIMEOUT_S):  # not wait_for: it can drop a cancel (client.py)
+                scheduler = await fut
+        except TimeoutError:
             self.stats_queries.pop(query_id, None)
             scheduler = {"error": "the scheduler did not answer"}
         return {**scheduler, "live_requests": len(self.live), **self.counts,
