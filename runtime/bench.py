@@ -228,8 +228,10 @@ class HttpClient:
             from runtime.client import Client
 
             self._zmq = Client(stats_from, timeout=60)
+        self._scraper = None
         if scrape_s:
-            threading.Thread(target=self._scrape_every, args=(scrape_s,), daemon=True).start()
+            self._scraper = threading.Thread(target=self._scrape_every, args=(scrape_s,), daemon=True)
+            self._scraper.start()
 
     def _body(self, prompt_ids: list[int], params: SamplingParams) -> dict:
         body = {"prompt": prompt_ids, "max_tokens": params.max_tokens, "temperature": params.temperature,
@@ -291,6 +293,8 @@ class HttpClient:
 
     def close(self) -> None:
         self._stop.set()
+        if self._scraper is not None:  # a scrape in flight ends before its client is closed
+            self._scraper.join()
         self.http.close()
         if self._zmq:
             self._zmq.close()
