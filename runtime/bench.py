@@ -294,7 +294,7 @@ class HttpClient:
     def close(self) -> None:
         self._stop.set()
         if self._scraper is not None:  # a scrape in flight ends before its client is closed
-            self._scraper.join()
+            self._scraper.join(timeout=self.timeout)
         self.http.close()
         if self._zmq:
             self._zmq.close()

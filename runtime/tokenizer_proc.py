@@ -241,8 +241,9 @@ class TokenizerService:
             async with asyncio.timeout(STATS_TIMEOUT_S):  # not wait_for: it can drop a cancel (client.py)
                 scheduler = await fut
         except TimeoutError:
-            self.stats_queries.pop(query_id, None)
             scheduler = {"error": "the scheduler did not answer"}
+        finally:
+            self.stats_queries.pop(query_id, None)
         return {**scheduler, "live_requests": len(self.live), **self.counts,
                 "uptime_s": time.monotonic() - self.started}
 

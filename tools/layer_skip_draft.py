@@ -14,7 +14,7 @@ Steps (seconds to minutes on 2 cores; nothing is trained):
               (draft argmax over its vocabulary == the target's argmax), until the smallest
               --keep remains; every layer count's agreement on both sets is reported. One
               round over n layers reruns only the layers after each candidate (~n^2/2 layer
-              passes): ~5 min for a 30-layer target and 1,024 search tokens.
+              passes): ~10 min for a 30-layer target and the default ~1.5k search tokens.
   4. export   for each --keep N, DIR/N/: config.json + model.safetensors holding the kept
               layers, the target's final norm and the draft vocabulary (`vocab_ids`, by
               default the shipped draft's); embeddings and lm_head stay the target's.
@@ -59,8 +59,8 @@ def parse_args(argv=None):
     ap.add_argument("--out", required=True, help="directory for the exported drafts (one folder per --keep)")
     ap.add_argument("--keep", type=int, nargs="+", default=[2, 4, 8], help="layer counts to export")
     ap.add_argument("--tokens", type=int, default=1024,
-                    help="held-out code tokens (and about as many of the target's chat tokens), halved into the "
-                         "search and report sets")
+                    help="held-out code tokens (and about twice as many of the target's chat tokens, 2 x "
+                         "--tokens / --window replies), halved into the search and report sets")
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--vocab-from", default=str(SHIPPED_DRAFT),
                     help="a draft directory whose vocab_ids the copy scores (default: the shipped draft's)")
@@ -74,8 +74,9 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------------------- 1. text
 
 def held_out_windows(target: LlamaModel, tokenizer, args) -> tuple[list[list[int]], list[list[int]]]:
-    """(search windows, report windows): half code, half the target's chat replies, each
-    set `args.tokens` long, drawn from held-out files and held-out instructions only."""
+    """(search windows, report windows), each half of the code windows (`args.tokens` in all)
+    and half of the target's chat replies (2 x tokens / window of them), drawn from held-out
+    files and held-out instructions only."""
     _, eval_files = split_files()
     random.Random(args.seed).shuffle(eval_files)
     code = code_windows((read_text(f) for f in eval_files), tokenizer, args.window, args.tokens)
@@ -141,8 +142,9 @@ class Agreement:
 
 def draft_agreement(target: LlamaModel, draft_dir: str, windows: list[Window]) -> float:
     """Top-1 agreement of a trained draft model (draft_target.load_draft) on the same windows."""
-    draft, backend = load_draft(draft_dir, target), ReferenceBackend()  # loaded outside inference
-    hits = 0  # mode: the kernels' packed weights follow the weights' version counters
+    # Loaded outside inference mode: the kernels' packed weights follow the weights' version counters.
+    draft, backend = load_draft(draft_dir, target), ReferenceBackend()
+    hits = 0
     with torch.inference_mode():
         for w in windows:
             pages = -(-len(w.ids) // PAGE)
@@ -202,6 +204,9 @@ def export(target: LlamaModel, target_hf: dict, layers: list[int], vocab_ids: to
         src, p = target.layers[i], f"model.layers.{j}."
         for name, w in zip("qkv", src.qkv_proj.split([q, kv, kv])):
             sd[p + f"self_attn.{name}_proj.weight"] = w
+        if src.qkv_bias is not None:  # Qwen2's q/k/v biases
+            for name, b in zip("qkv", src.qkv_bias.split([q, kv, kv])):
+                sd[p + f"self_attn.{name}_proj.bias"] = b
         sd[p + "self_attn.o_proj.weight"] = src.o_proj
         sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"] = src.gate_up_proj.split([inter, inter])
         sd[p + "mlp.down_proj.weight"] = src.down_proj
@@ -218,51 +223,61 @@ def export(target: LlamaModel, target_hf: dict, layers: list[int], vocab_ids: to
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
-    started = time.time()
     model_dir = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
     target = load_llama(model_dir, torch.bfloat16)
+    if max(args.keep) > target.cfg.num_layers or min(args.keep) < 1:
+        raise SystemExit(f"--keep: layer counts must be 1..{target.cfg.num_layers}, got {args.keep}")
     vocab_ids = load_file(str(Path(args.vocab_from) / "model.safetensors"))["vocab_ids"].long()
     settings = {"target": str(model_dir), "tokens": args.tokens, "window": args.window, "seed": args.seed,
                 "vocab_from": args.vocab_from, "draft_vocab": len(vocab_ids)}
-    summary = _earlier_search(Path(args.out) / "curve.json", settings, min(args.keep))
+    out = Path(args.out)
+    # 1.-3. the search (or a finished one with the same settings), then the trained drafts beside it
+    summary, report = _earlier_search(out / "curve.json", settings, min(args.keep)), None
     if summary is None:
-        # 1.-2. held-out text and the target's labels
-        search_ids, report_ids = held_out_windows(target, tokenizer, args)
-        backend = ReferenceBackend()
-        with torch.inference_mode():
-            search = [Window(target, w, backend) for w in tqdm(search_ids, desc="target labels (search)")]
-            report = [Window(target, w, backend) for w in tqdm(report_ids, desc="target labels (report)")]
-        # 3. which layers to keep
-        curve = greedy_removal(Agreement(target, vocab_ids), search, report, min(args.keep))
-        summary = {**settings, "search_tokens": sum(map(len, search_ids)), "report_tokens": sum(map(len, report_ids)),
-                   "curve": curve, "seconds": round(time.time() - started)}
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "curve.json").write_text(json.dumps(summary, indent=2))
+        summary, report = search(target, tokenizer, vocab_ids, settings, args)
     else:
-        print(f"reusing the search in {Path(args.out) / 'curve.json'} (same settings)")
+        print(f"reusing the search in {out / 'curve.json'} (same settings)")
     if args.compare and set(args.compare) != set(summary.get("reference", {})):
-        # Rebuilt, not stored: the windows are deterministic (seeded files, greedy replies).
-        _, report_ids = held_out_windows(target, tokenizer, args)
-        with torch.inference_mode():
-            report = [Window(target, w, ReferenceBackend()) for w in report_ids]
+        # Rebuilt when reused, not stored: the windows are deterministic (seeded files, greedy replies).
+        report = report or _labelled(target, held_out_windows(target, tokenizer, args)[1])
         summary["reference"] = {d: (read_model_config(d)["num_hidden_layers"], draft_agreement(target, d, report))
                                 for d in args.compare}
-        (Path(args.out) / "curve.json").write_text(json.dumps(summary, indent=2))
-    for d, (layers, top1) in summary.get("reference", {}).items():
-        print(f"trained draft {d}: {layers} layers, top-1 {top1:.3f} on the report set")
-    curve = summary["curve"]
-    print(f"{'kept':>4}  {'search':>6}  {'report':>6}  layers")
-    for point in curve:
-        print(f"{len(point['layers']):>4}  {point['search']:.3f}  {point['report']:.3f}  {point['layers']}")
-    plot_curve(summary, Path(args.out) / "curve.png")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "curve.json").write_text(json.dumps(summary, indent=2))
+    print_curve(summary)
+    plot_curve(summary, out / "curve.png")
     # 4. the copies asked for
     for n in args.keep:
-        point = next(p for p in curve if len(p["layers"]) == n)
-        export(target, read_model_config(model_dir), point["layers"], vocab_ids, Path(args.out) / str(n),
+        point = next(p for p in summary["curve"] if len(p["layers"]) == n)
+        export(target, read_model_config(model_dir), point["layers"], vocab_ids, out / str(n),
                {**summary, "kept": point["layers"], "top1_agreement": point["report"]})
-        print(f"wrote {Path(args.out) / str(n)}: layers {point['layers']}, held-out top-1 {point['report']:.3f}")
+        print(f"wrote {out / str(n)}: layers {point['layers']}, held-out top-1 {point['report']:.3f}")
     return 0
+
+
+def search(target: LlamaModel, tokenizer, vocab_ids: torch.Tensor, settings: dict, args):
+    """Steps 1-3: (the summary with its curve, the labelled report windows)."""
+    started = time.time()
+    search_ids, report_ids = held_out_windows(target, tokenizer, args)
+    search_set, report = _labelled(target, search_ids, "search"), _labelled(target, report_ids, "report")
+    curve = greedy_removal(Agreement(target, vocab_ids), search_set, report, min(args.keep))
+    return {**settings, "search_tokens": sum(map(len, search_ids)), "report_tokens": sum(map(len, report_ids)),
+            "curve": curve, "seconds": round(time.time() - started)}, report
+
+
+def _labelled(target: LlamaModel, windows: list[list[int]], name: str = "report") -> list[Window]:
+    backend = ReferenceBackend()
+    with torch.inference_mode():
+        return [Window(target, w, backend) for w in tqdm(windows, desc=f"target labels ({name})")]
+
+
+def print_curve(summary: dict) -> None:
+    for d, (layers, top1) in summary.get("reference", {}).items():
+        print(f"trained draft {d}: {layers} layers, top-1 {top1:.3f} on the report set")
+    print(f"{'kept':>4}  {'search':>6}  {'report':>6}  layers")
+    for point in summary["curve"]:
+        print(f"{len(point['layers']):>4}  {point['search']:.3f}  {point['report']:.3f}  {point['layers']}")
 
 
 def _earlier_search(path: Path, settings: dict, down_to: int) -> dict | None:

@@ -61,10 +61,13 @@ def choose_variant(flags: set[str], isa_cap: str | None) -> int:
 
 
 def _sources_digest() -> str:
+    """The kernels' sources and this file (their flags and the build lock's protocol): a
+    checkout that builds differently never shares a build folder with this one."""
     digest = hashlib.sha1()
-    for path in sorted(Path(__file__).parent.glob("*.[ch]*")):  # .cpp and .h
+    for path in sorted(Path(__file__).parent.glob("*.[ch]*")):  # .cpp, .h
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + path.read_bytes())
+    digest.update(Path(__file__).read_bytes())
     return digest.hexdigest()[:10]
 
 
@@ -93,10 +96,12 @@ def _library():
 @contextlib.contextmanager
 def _exclusive_build(build_dir: Path):
     """One builder or loader of this module at a time, through a kernel lock (flock) that dies
-    with its process. torch's own build lock is a plain file that a process killed mid-build
-    (a test's timeout, Ctrl-C, a session ending) leaves behind, and every later load then waits
-    on it forever; under our lock no other process of ours can be building, so such a file is
-    stale and is removed."""
+    with its process. torch's own build lock is a plain file that a process killed while
+    building or loading (a test's timeout, Ctrl-C, a session ending) leaves behind, and every
+    later load then waits on it forever. Every process that uses this build folder runs this
+    file (the folder's name hashes it), so under our lock none of them is building and such a
+    file is stale: it is removed. (A compiler orphaned by a killed parent could still be
+    writing; the rebuild that follows overwrites its output.)"""
     build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir.parent / f"{build_dir.name}.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
