@@ -95,9 +95,9 @@ class Window:
     def __init__(self, target: LlamaModel, ids: list[int], backend: ReferenceBackend):
         self.ids = torch.tensor(ids)
         positions = torch.arange(len(ids))
-        pages = -(-len(ids) // PAGE)
-        self.kv = target.new_kv_pool(pages, PAGE)
-        self.meta = backend.plan([SeqAttention(len(ids), len(ids), list(range(pages)))], PAGE)
+        self.pages = -(-len(ids) // PAGE)
+        self.kv = target.new_kv_pool(self.pages, PAGE)
+        self.meta = backend.plan([SeqAttention(len(ids), len(ids), list(range(self.pages)))], PAGE)
         self.rope = target.rope.lookup(positions)
         self.embedded = target.embed(self.ids)
         hidden, _ = target.forward_states(self.ids, positions, backend, self.kv, self.meta)
@@ -135,7 +135,8 @@ class Agreement:
             prefix = w.embedded
             for p, layer in enumerate(layers):
                 hits[p] += self.hits(w, self.run(w, prefix, layers[p + 1:]))
-                prefix = self.run(w, prefix, [layer])
+                if p + 1 < len(layers):  # the last layer's output is no candidate's prefix
+                    prefix = self.run(w, prefix, [layer])
         total = sum(len(w.ids) for w in windows)
         return [h / total for h in hits]
 
@@ -147,9 +148,8 @@ def draft_agreement(target: LlamaModel, draft_dir: str, windows: list[Window]) -
     hits = 0
     with torch.inference_mode():
         for w in windows:
-            pages = -(-len(w.ids) // PAGE)
             hidden, _ = draft.model.forward_states(w.ids, torch.arange(len(w.ids)), backend,
-                                                   draft.model.new_kv_pool(pages, PAGE), w.meta)
+                                                   draft.model.new_kv_pool(w.pages, PAGE), w.meta)
             hits += int((draft.logits(hidden).argmax(-1) == w.labels).sum())
     return hits / sum(len(w.ids) for w in windows)
 

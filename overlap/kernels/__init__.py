@@ -102,7 +102,6 @@ def _exclusive_build(build_dir: Path):
     file (the folder's name hashes it), so under our lock none of them is building and such a
     file is stale: it is removed. (A compiler orphaned by a killed parent could still be
     writing; the rebuild that follows overwrites its output.)"""
-    build_dir.mkdir(parents=True, exist_ok=True)
     with open(build_dir.parent / f"{build_dir.name}.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         try:

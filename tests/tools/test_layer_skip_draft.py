@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from overlap.attention import ReferenceBackend
 from overlap.config import SpecConfig
 from overlap.models.llama import load_llama
 from overlap.speculative.draft_target import load_draft
@@ -29,10 +28,8 @@ def target_dir(tmp_path_factory, smol_dir):
 
 def _windows(target, count=3, length=40, seed=0):
     g = torch.Generator().manual_seed(seed)
-    backend = ReferenceBackend()
-    with torch.inference_mode():
-        return [layer_skip_draft.Window(target, torch.randint(0, 49152, (length,), generator=g).tolist(), backend)
-                for _ in range(count)]
+    return layer_skip_draft._labelled(target, [torch.randint(0, 49152, (length,), generator=g).tolist()
+                                               for _ in range(count)])
 
 
 def test_all_layers_agree_fully_and_the_shared_prefix_search_scores_each_subset_as_a_direct_run(target_dir, tmp_path):
