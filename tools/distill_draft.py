@@ -86,6 +86,15 @@ def parse_args(argv=None):
 PARTS = ("code", "chat", "gen_code")
 
 
+def part_names(args) -> tuple[str, ...]:
+    """The built-in parts, or with --data every part of head_data.py's corpus stage found there."""
+    if not args.data:
+        return PARTS
+    from head_data import PARTS as DATA_PARTS
+
+    return tuple(n for n in DATA_PARTS if list((Path(args.data) / n / "train").glob("chunk_*.pt")))
+
+
 def build_part(name: str, split: str, args, tokenizer, target: LlamaModel) -> list[list[int]]:
     if args.data:
         return data_windows(Path(args.data), name, split, args)
@@ -161,7 +170,7 @@ def self_distilled(target, tokenizer, prompts, max_tokens: int, window: int, cha
 def load_parts(args, tokenizer, target: LlamaModel, work: Path) -> dict:
     """{(name, split): (windows, (probs, ids))} for every part, built or read from the cache."""
     parts = {}
-    for name in PARTS:
+    for name in part_names(args):
         for split in ("train", "eval"):
             path = work / f"part_{name}_{split}_top{args.top_k}.pt"
             if not path.exists():
@@ -387,8 +396,9 @@ def main(argv=None) -> int:
     target = load_llama(model_dir, torch.bfloat16)
     # 1. corpus and 2. labels, per part
     parts = load_parts(args, tokenizer, target, work)
+    names = part_names(args)
     train_windows, train_probs, train_ids = [], [], []
-    for name in PARTS:
+    for name in names:
         windows, (probs, ids) = parts[name, "train"]
         # The target's own continuations are what the draft meets at inference: oversample them.
         repeat = args.self_weight if name != "code" else 1
@@ -396,10 +406,10 @@ def main(argv=None) -> int:
         train_probs += probs * repeat
         train_ids += ids * repeat
     corpus = {"train": train_windows,
-              "eval": [w for n in PARTS for w in parts[n, "eval"][0]],
-              "eval_kinds": [n for n in PARTS for _ in parts[n, "eval"][0]]}
+              "eval": [w for n in names for w in parts[n, "eval"][0]],
+              "eval_kinds": [n for n in names for _ in parts[n, "eval"][0]]}
     labels = {"train": (train_probs, train_ids),
-              "eval": tuple(sum((list(parts[n, "eval"][1][i]) for n in PARTS), []) for i in range(2))}
+              "eval": tuple(sum((list(parts[n, "eval"][1][i]) for n in names), []) for i in range(2))}
     # 3. the draft and its vocabulary: the most frequent tokens of the training text.
     counts = torch.bincount(torch.tensor([t for w in corpus["train"] for t in w]), minlength=target.cfg.vocab_size)
     vocab_ids = counts.topk(min(args.draft_vocab, target.cfg.vocab_size)).indices.sort().values

@@ -567,7 +567,7 @@ def main(argv=None) -> int:
     target = load_llama(model_dir, torch.bfloat16)
     # 1. corpus and 2. hidden states, per part
     parts = load_parts(args, model_dir, target, work)
-    names = [n for n in PARTS + ("windows",) if (n, "train") in parts]
+    names = [n for n in dict.fromkeys(name for name, _ in parts) if (n, "train") in parts]  # load_parts' order
     # The target's own continuations are what the head meets at inference: oversample them.
     weights = [1 if n in ("code", "windows") else args.self_weight for n in names]
     multi = args.features == "multi"

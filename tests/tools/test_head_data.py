@@ -52,7 +52,7 @@ def data(tiny_dirs, tmp_path_factory):
 def test_corpus_and_states(data, tiny_dirs):
     manifest = json.loads((data / "manifest.json").read_text())
     assert manifest["feature_layers"] == [0, 1]  # low/middle/high of a 2-layer target, deduplicated
-    for key in ("code/train", "code/eval", "chat/train", "chat/eval", "gen_code/train"):
+    for key in ("code/train", "code/eval", "chat/train", "chat/eval", "gen_code/train", "chat_more/train"):
         part = manifest["parts"][key]
         assert part["tokens"] > 0 and part["states_done"] == part["chunks"]
     target = load_llama(tiny_dirs["target"], torch.bfloat16)
@@ -70,6 +70,16 @@ def test_corpus_and_states(data, tiny_dirs):
     with torch.inference_mode():
         greedy = target.compute_logits(h).argmax(-1)
     assert torch.equal(greedy[-8:-1], ids[-7:])
+
+
+def test_the_second_chat_part_asks_other_instructions_with_other_seeds():
+    args = head_data.parse_args(["--out", "unused"])
+    for split in head_data.SPLITS:
+        chat, more = (head_data.requests_for(part, split, args) for part in ("chat", "chat_more"))
+        assert len(more) > 300 and not {q for q, _, _ in chat} & {q for q, _, _ in more}
+        assert [o["temperature"] for _, o, _ in more].count(0.0) == len(more) // 2  # greedy + 1 sample each
+        seeds = [{o["seed"] for _, o, _ in requests if "seed" in o} for requests in (chat, more)]
+        assert not seeds[0] & seeds[1]  # a sampled reply is not the other part's sample again
 
 
 def test_states_resume_bit_for_bit(data, tiny_dirs):

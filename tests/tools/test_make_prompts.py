@@ -75,7 +75,8 @@ def test_code_prompts_match_their_sources(sources):
 def test_chat_prompts_are_the_template_around_our_own_instructions():
     rows = lines("chat.jsonl")
     assert [r["prompt"] for r in rows] == make_prompts.chat_prompts()
-    assert not set(make_prompts.CHAT_INSTRUCTIONS) & set(corpus.chat_instructions())  # not the training ones
+    for training in (corpus.chat_instructions(), corpus.many_chat_instructions(), corpus.more_chat_instructions()):
+        assert not set(make_prompts.CHAT_INSTRUCTIONS) & set(training)  # not the training ones
     for r in rows:
         assert r["prompt"].endswith("<|im_end|>\n<|im_start|>assistant\n")  # where the answer starts
         assert r["prompt"].count("<|im_start|>user\n") == 1
