@@ -223,6 +223,7 @@ class HttpClient:
         self.finished: dict[str, dict] = {}
         self.scrapes = 0
         self._stop = threading.Event()
+        self._streams: set[threading.Thread] = set()
         self._zmq = None
         if stats_from:
             from runtime.client import Client
@@ -247,8 +248,9 @@ class HttpClient:
 
     def add(self, prompt_ids: list[int], params: SamplingParams) -> str:
         request_id = f"http-{uuid.uuid4().hex}"
-        threading.Thread(target=self._stream, args=(request_id, self._body(prompt_ids, params)),
-                         daemon=True).start()
+        thread = threading.Thread(target=self._stream, args=(request_id, self._body(prompt_ids, params)), daemon=True)
+        self._streams.add(thread)
+        thread.start()
         return request_id
 
     def _stream(self, request_id: str, body: dict) -> None:
@@ -269,7 +271,10 @@ class HttpClient:
                         self.finished[request_id] = chunk.get("speculation") or {}
                     self.events.put(Delta(request_id, choice["text"], choice["token_ids"], choice["finish_reason"]))
         except Exception as e:  # noqa: BLE001 - handed to the driving thread, which raises it
-            self.events.put(e)
+            if not self._stop.is_set():  # after close(), a stream cut short is expected, not an error
+                self.events.put(e)
+        finally:
+            self._streams.discard(threading.current_thread())
 
     def step(self) -> list[Delta]:
         items = [self.events.get(timeout=self.timeout)]
@@ -295,7 +300,9 @@ class HttpClient:
         self._stop.set()
         if self._scraper is not None:  # a scrape in flight ends before its client is closed
             self._scraper.join(timeout=self.timeout)
-        self.http.close()
+        self.http.close()  # streams still in flight (only after an error) end here...
+        for thread in list(self._streams):  # ...and are gone before close() returns
+            thread.join(timeout=self.timeout)
         if self._zmq:
             self._zmq.close()
 

@@ -341,6 +341,25 @@ def test_bench_through_http_matches_the_zmq_client_and_scrapes(daemon, tiny_dirs
     assert scraped["drafts"] == 0 and scraped["metrics_scrapes"] > 0 and http["metrics_scrapes"] == 0
 
 
+def test_bench_http_client_closed_mid_stream_ends_its_streams_quietly(daemon, client, http):
+    """A bench run that fails closes its HttpClient with streams in flight: close() returns with
+    every stream thread gone and no error of its own queued, and the server frees the pages."""
+    from runtime.bench import HttpClient
+    from runtime.messages import SamplingParams
+
+    before = scrape(http)
+    bench_client = HttpClient(daemon.http_endpoint, spec_on=False, token=TOKEN, timeout=30)
+    bench_client.add([5, 6, 7], SamplingParams(max_tokens=900, ignore_eos=True))
+    assert bench_client.step()  # the stream is flowing
+    bench_client.close()
+    assert not bench_client._streams and not any(isinstance(e, Exception) for e in bench_client.events.queue)
+    wait_idle(client)
+    after = scrape(http)
+    assert after['overlap_requests_finished_total{reason="abort"}'] == \
+        before['overlap_requests_finished_total{reason="abort"}'] + 1
+    assert after["overlap_kv_pages_free"] == after["overlap_kv_pages_total"]
+
+
 # -- metrics ---------------------------------------------------------------------------------
 
 def test_metrics_parse_and_counters_move(client, oai, http):
