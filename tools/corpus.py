@@ -199,7 +199,9 @@ _CLAIMS = ["reading every day is a good habit", "code reviews are useful", "peop
 
 
 def more_chat_instructions() -> list[str]:
-    """~1,600 instructions none of which is in many_chat_instructions(), in other shapes."""
+    """1,678 instructions none of which is in many_chat_instructions(), in other shapes. Some are
+    close to prompts we measure on: tools/head_data.py skips those (too_close_to_evaluation) but
+    keeps them here, so that every other one keeps its index (its seed, its chunk)."""
     topics = _TOPICS + _MORE_TOPICS
     out = [f"{task} {topic}." for topic in topics for task in _NEW_TASKS]
     out += [f"What is the difference between {a} and {b}?" for a, b in _PAIRS]

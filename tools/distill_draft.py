@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -120,6 +121,9 @@ def data_windows(root: Path, name: str, split: str, args) -> list[list[int]]:
     """The windows tools/head_data.py wrote for a part (its corpus stage), in chunk order;
     stdlib code capped at --max-train-tokens / --max-eval-tokens, the generated parts whole."""
     chunks = sorted((root / name / split).glob("chunk_*.pt"))
+    if not chunks and split == "eval":  # a part generated up to its train split so far
+        print(f"{name}/eval: no chunks in {root}: this part is trained on, not evaluated")
+        return []
     if not chunks:
         raise FileNotFoundError(f"{root / name / split} has no chunks: run tools/head_data.py --out {root} "
                                 "--stage corpus first")
@@ -167,18 +171,32 @@ def self_distilled(target, tokenizer, prompts, max_tokens: int, window: int, cha
             for rid, q in zip(ids, prompts)]
 
 
+def data_source(args, name: str, split: str) -> dict | None:
+    """What a --data part's cached labels were made from: the folder, its chunks and the token budget."""
+    if not args.data:
+        return None
+    chunks = sorted((Path(args.data) / name / split).glob("chunk_*.pt"))
+    return {"data": str(Path(args.data).resolve()), "chunks": [(p.name, p.stat().st_size) for p in chunks],
+            "budget": (args.max_train_tokens, args.max_eval_tokens) if name == "code" else None}
+
+
 def load_parts(args, tokenizer, target: LlamaModel, work: Path) -> dict:
     """{(name, split): (windows, (probs, ids))} for every part, built or read from the cache."""
     parts = {}
     for name in part_names(args):
         for split in ("train", "eval"):
             path = work / f"part_{name}_{split}_top{args.top_k}.pt"
+            source = data_source(args, name, split)
+            if path.exists() and torch.load(path).get("source") != source:  # the data folder grew or changed
+                print(f"{name}/{split}: the cached labels were made from other data: rebuilt")
+                path.unlink()
+                shutil.rmtree(work / f"{path.stem}.pieces", ignore_errors=True)
             if not path.exists():
                 windows = build_part(name, split, args, tokenizer, target)
                 states = covering_states(Path(args.data), name, split, windows) if args.data else None
                 labels = pieced_labels(target, windows, args.top_k, work / f"{path.stem}.pieces", f"{name}/{split}",
                                        states=states)
-                torch.save({"windows": windows, "labels": labels}, path)
+                torch.save({"windows": windows, "labels": labels, "source": source}, path)
             data = torch.load(path)
             parts[name, split] = (data["windows"], data["labels"])
     return parts

@@ -573,6 +573,8 @@ def main(argv=None) -> int:
     multi = args.features == "multi"
     train_data = Windows([parts[n, "train"] for n in names], weights, list(names), multi)
     eval_names = [n for n in names if (n, "eval") in parts]
+    if set(names) - set(eval_names):  # e.g. a part generated (and run through the target) up to its train split
+        print(f"no held-out split with states for {sorted(set(names) - set(eval_names))}: trained on, not evaluated")
     eval_data = Windows([parts[n, "eval"] for n in eval_names], [1] * len(eval_names), eval_names, multi)
     data_s = time.time() - started
     sizes = {"train_windows": len(train_data.spans), "train_tokens": train_data.num_tokens,

@@ -76,10 +76,40 @@ def test_the_second_chat_part_asks_other_instructions_with_other_seeds():
     args = head_data.parse_args(["--out", "unused"])
     for split in head_data.SPLITS:
         chat, more = (head_data.requests_for(part, split, args) for part in ("chat", "chat_more"))
-        assert len(more) > 300 and not {q for q, _, _ in chat} & {q for q, _, _ in more}
+        assert len(more) > 250 and not {q for q, _, _ in chat} & {q for q, _, _ in more}
         assert [o["temperature"] for _, o, _ in more].count(0.0) == len(more) // 2  # greedy + 1 sample each
         seeds = [{o["seed"] for _, o, _ in requests if "seed" in o} for requests in (chat, more)]
         assert not seeds[0] & seeds[1]  # a sampled reply is not the other part's sample again
+
+
+def test_the_second_chat_part_skips_what_we_measure_on_and_keeps_the_other_seeds(monkeypatch):
+    args = head_data.parse_args(["--out", "unused"])
+    kept = head_data.requests_for("chat_more", "train", args)
+    monkeypatch.setattr(head_data, "too_close_to_evaluation", lambda x: False)
+    every = head_data.requests_for("chat_more", "train", args)
+    assert len(every) * 0.7 < len(kept) < len(every)  # a fifth or so is skipped...
+    assert all(r in every for r in kept)  # ...and the rest are the same requests, seeds included
+    from make_prompts import CHAT_INSTRUCTIONS
+
+    asked = {q for q, _, _ in kept}
+    for shape in ("Translate the sentence", "What is the difference between", "Give three reasons why"):
+        assert not any(q.startswith(shape) for q in asked)  # the dev set's shapes
+    assert not asked & set(CHAT_INSTRUCTIONS)
+    assert "Write a short poem about the first snow of winter." not in asked  # a held-out one, reworded
+    with pytest.raises(SystemExit, match="at most"):
+        head_data.requests_for("chat", "train", head_data.parse_args(["--out", "x", "--chat-samples", "8"]))
+
+
+def test_distill_draft_trains_on_a_part_with_no_held_out_split_yet(tmp_path):
+    args = distill_draft.parse_args(["--out", "unused", "--data", str(tmp_path)])
+    (tmp_path / "chat_more" / "train").mkdir(parents=True)
+    head_data.save_windows(tmp_path / "chat_more" / "train" / "chunk_0000.pt", [[1, 2, 3]])
+    assert distill_draft.part_names(args) == ("chat_more",)
+    assert distill_draft.data_windows(tmp_path, "chat_more", "eval", args) == []
+    # Cached labels name the chunks they came from: one more chunk and they are made again.
+    before = distill_draft.data_source(args, "chat_more", "train")
+    head_data.save_windows(tmp_path / "chat_more" / "train" / "chunk_0001.pt", [[4, 5, 6]])
+    assert distill_draft.data_source(args, "chat_more", "train") != before
 
 
 def test_states_resume_bit_for_bit(data, tiny_dirs):
@@ -159,6 +189,12 @@ def test_generated_windows_outlive_the_machine_in_the_pack(tiny_dirs, tmp_path, 
     for path in sorted(first.glob("chat/*/chunk_*.pt")):
         a, b = torch.load(path), torch.load(second / path.relative_to(first))
         assert torch.equal(a["ids"], b["ids"]) and torch.equal(a["offsets"], b["offsets"])
+    # A chunk made from other requests than its place now asks for (an edited instruction list): refused.
+    args = head_data.parse_args([*corpus, "--out", str(tmp_path / "x")])
+    requests = head_data.requests_for("chat", "train", args)  # chunk 0 holds requests[0:4] (--chunk 4)
+    assert head_data.CorpusPack(pack, args).restore("chat", "train", 0, tmp_path / "ok.pt", requests[0:4])
+    with pytest.raises(SystemExit, match="other requests"):
+        head_data.CorpusPack(pack, args).restore("chat", "train", 0, tmp_path / "moved.pt", requests[1:5])
     # Other generation settings would mix two corpora: refused, saying which.
     with pytest.raises(SystemExit, match="chat_tokens"):
         head_data.main([*corpus, "--out", str(tmp_path / "third"), "--chat-tokens", "12"])
