@@ -22,7 +22,8 @@ Stages (each cached and resumable; what they cost on 2 cores of a Sapphire Rapid
                --depth-decay^(d-1); --ttt-depth 1 is teacher forcing only (the ablation).
                AdamW, warmup + cosine, clipping, bf16 autocast (--fp32 on a CPU without a
                bf16 dot product, avx512_bf16 or AMX: there bf16 matmuls convert on the fly and
-               f32 is much faster, 1.3 s a step on an AVX-512 Xeon), checkpoints every --ckpt-every
+               f32 is much faster, 1.3 s a step on an AVX-512 Xeon; 2.3-2.5 s with --fp32 on an
+               AMD EPYC Zen 4), checkpoints every --ckpt-every
                steps; batches depend only on (seed, step), so a resumed run (--resume)
                continues exactly as an uninterrupted one. ~2 s a step at 8 x 128 rows, depth 3.
   3. evaluate  held out: top-1 agreement with the target's greedy token (k=1), and chains of
