@@ -187,18 +187,19 @@ def load_parts(args, tokenizer, target: LlamaModel, work: Path) -> dict:
         for split in ("train", "eval"):
             path = work / f"part_{name}_{split}_top{args.top_k}.pt"
             source = data_source(args, name, split)
-            if path.exists() and torch.load(path).get("source") != source:  # the data folder grew or changed
+            cached = torch.load(path) if path.exists() else None
+            if cached is not None and cached.get("source") != source:  # the data folder grew or changed
                 print(f"{name}/{split}: the cached labels were made from other data: rebuilt")
-                path.unlink()
                 shutil.rmtree(work / f"{path.stem}.pieces", ignore_errors=True)
-            if not path.exists():
+                cached = None
+            if cached is None:
                 windows = build_part(name, split, args, tokenizer, target)
                 states = covering_states(Path(args.data), name, split, windows) if args.data else None
                 labels = pieced_labels(target, windows, args.top_k, work / f"{path.stem}.pieces", f"{name}/{split}",
                                        states=states)
-                torch.save({"windows": windows, "labels": labels, "source": source}, path)
-            data = torch.load(path)
-            parts[name, split] = (data["windows"], data["labels"])
+                cached = {"windows": windows, "labels": labels, "source": source}
+                torch.save(cached, path)
+            parts[name, split] = (cached["windows"], cached["labels"])
     return parts
 
 

@@ -52,6 +52,7 @@ The layout (every file under --out):
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import random
@@ -78,6 +79,10 @@ PARTS = ("code", "chat", "gen_code", "chat_more")
 MAX_CHAT_SAMPLES = 7
 CHAT_PARTS = {"chat": (many_chat_instructions, 0), "chat_more": (more_chat_instructions, MAX_CHAT_SAMPLES)}
 
+SPLITS = ("train", "eval")
+PAGE = 16
+EVAL_EVERY = 10  # instruction i is held out when i % 10 == 0
+
 # chat_more must not teach the head the prompts we measure it on. Skipped: the shapes of the dev
 # set's chat prompts (../shared/prompts/dev.jsonl: read once to write these, never at run time),
 # its topics, and any instruction whose content words are mostly those of one of
@@ -96,18 +101,20 @@ def content_words(text: str) -> set[str]:
             if w not in _FILLER}
 
 
-def too_close_to_evaluation(instruction: str) -> bool:
-    """A dev-set shape or topic, or >= 3/4 of its content words (two or more) in one held-out instruction."""
+@functools.cache
+def _held_out_words() -> tuple[set[str], ...]:
     from make_prompts import CHAT_INSTRUCTIONS
 
+    return tuple(content_words(x) for x in CHAT_INSTRUCTIONS)
+
+
+def too_close_to_evaluation(instruction: str) -> bool:
+    """A dev-set shape or topic, or >= 3/4 of its content words (two or more) in one held-out instruction."""
     if DEV_SHAPES.search(instruction):
         return True
     words = content_words(instruction)
-    return any(len(shared := words & content_words(x)) >= 2 and len(shared) >= 0.75 * min(len(words), len(content_words(x)))
-               for x in CHAT_INSTRUCTIONS)
-SPLITS = ("train", "eval")
-PAGE = 16
-EVAL_EVERY = 10  # instruction i is held out when i % 10 == 0
+    return any(len(shared := words & held) >= 2 and len(shared) >= 0.75 * min(len(words), len(held))
+               for held in _held_out_words())
 
 
 def parse_args(argv=None):
@@ -137,7 +144,10 @@ def parse_args(argv=None):
                     help="folder of the generated parts' windows kept in the repository "
                          "(auto: data/smollm2-135m-corpus for the shipped target; none: no pack)")
     ap.add_argument("--seed", type=int, default=0)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.chat_samples > MAX_CHAT_SAMPLES:
+        raise SystemExit(f"--chat-samples {args.chat_samples}: at most {MAX_CHAT_SAMPLES} (the parts' seeds would meet)")
+    return args
 
 
 # ---------------------------------------------------------------------------- 0. the pack
@@ -230,10 +240,8 @@ def requests_for(part: str, split: str, args) -> list[tuple[str, dict, bool]]:
         instructions = instructions()
         if args.chat_instructions:
             instructions = instructions[: args.chat_instructions]
-        if args.chat_samples > MAX_CHAT_SAMPLES:
-            raise SystemExit(f"--chat-samples {args.chat_samples}: at most {MAX_CHAT_SAMPLES} (the parts' seeds would meet)")
         chosen = [x for i, x in enumerate(instructions) if (i % EVAL_EVERY == 0) == (split == "eval")]
-        skip = {x for x in chosen if part == "chat_more" and too_close_to_evaluation(x)}
+        skip = {x for x in chosen if too_close_to_evaluation(x)} if part == "chat_more" else set()
         out = [(x, {"temperature": 0.0}, True) for x in chosen if x not in skip]
         for s in range(args.chat_samples):
             out += [(x, {"temperature": args.temperature, "top_p": args.top_p,
