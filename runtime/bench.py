@@ -297,12 +297,15 @@ class HttpClient:
         return {**(self._zmq.stats() if self._zmq else {}), "metrics_scrapes": self.scrapes}
 
     def close(self) -> None:
+        # One deadline for every thread, not the timeout for each in turn: after a stalled
+        # server, close() returns within the client's timeout however many streams were open.
+        deadline = time.monotonic() + self.timeout
         self._stop.set()
         if self._scraper is not None:  # a scrape in flight ends before its client is closed
             self._scraper.join(timeout=self.timeout)
         self.http.close()  # streams still in flight (only after an error) end here...
         for thread in list(self._streams):  # ...and are gone before close() returns
-            thread.join(timeout=self.timeout)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
         if self._zmq:
             self._zmq.close()
 

@@ -360,6 +360,27 @@ def test_bench_http_client_closed_mid_stream_ends_its_streams_quietly(daemon, cl
     assert after["overlap_kv_pages_free"] == after["overlap_kv_pages_total"]
 
 
+
+def test_bench_http_client_close_waits_one_timeout_for_all_its_streams():
+    """Streams that never end (a server that trickles and never finishes) are waited for
+    together: close() returns after about one client timeout, not one timeout per stream."""
+    import threading
+    import time
+
+    from runtime.bench import HttpClient
+
+    bench_client = HttpClient("http://127.0.0.1:9", spec_on=False, timeout=0.5)
+    release = threading.Event()
+    stuck = [threading.Thread(target=release.wait, daemon=True) for _ in range(6)]
+    for thread in stuck:
+        bench_client._streams.add(thread)
+        thread.start()
+    start = time.monotonic()
+    bench_client.close()
+    waited = time.monotonic() - start
+    release.set()
+    assert 0.4 < waited < 2.0, waited  # one at a time would be 6 x 0.5 s
+
 # -- metrics ---------------------------------------------------------------------------------
 
 def test_metrics_parse_and_counters_move(client, oai, http):
