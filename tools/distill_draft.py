@@ -20,6 +20,8 @@ Steps (each resumable: outputs land in --workdir and are reused):
                (H after the final norm through the target's lm_head: the same logits with no
                second pass over the layers, several times faster).
   3. train     KL(target || draft) over the draft vocabulary, AdamW, cosine schedule,
+               from copies of target layers or, with --init-draft DIR, from an exported
+               draft (its layers and vocabulary: continued distillation on a larger corpus),
                checkpoints every --ckpt-every steps; --resume is automatic. bf16 autocast;
                --fp32 on a CPU without avx512_bf16 or AMX (autocast is unusably slow there).
   4. evaluate  held-out top-1 agreement of draft and target argmax.
@@ -38,7 +40,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -76,6 +78,9 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     ap.add_argument("--fp32", action="store_true",
                     help="train in f32, no bf16 autocast (CPUs without avx512_bf16 or AMX)")
+    ap.add_argument("--init-draft", default=None,
+                    help="start from an exported draft (its layers and draft vocabulary), e.g. the "
+                         "shipped one on a larger corpus, instead of copies of target layers")
     return ap.parse_args(argv)
 
 
@@ -297,6 +302,26 @@ def init_draft(target: LlamaModel, cfg: dict, layers: int):
     return model, picks
 
 
+def start_from_draft(model, draft_dir: Path) -> torch.Tensor:
+    """Copy an exported draft's layers and final norm into this f32 draft (continued
+    distillation) and return its vocabulary. Its shape must be this run's and it must belong
+    to this target (same width and vocabulary size)."""
+    cfg = json.loads((draft_dir / "config.json").read_text())
+    ours = model.config
+    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "vocab_size"):
+        if cfg.get(key) != getattr(ours, key):
+            raise SystemExit(f"--init-draft {draft_dir}: {key}={cfg.get(key)}, this run: {getattr(ours, key)}")
+    weights = load_file(str(draft_dir / "model.safetensors"))
+    vocab_ids = weights.pop("vocab_ids").long()
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    shared = {"model.embed_tokens.weight", "lm_head.weight"}  # the target's, never stored
+    if unexpected or set(missing) - shared:
+        raise SystemExit(f"--init-draft {draft_dir}: missing {sorted(set(missing) - shared)}, "
+                         f"unexpected {sorted(unexpected)}")
+    return vocab_ids
+
+
 def draft_logits(model, ids: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
     """ids [B, L] → logits over the draft vocabulary [B, L, Vd]."""
     hidden = model.model(input_ids=ids).last_hidden_state
@@ -429,18 +454,29 @@ def main(argv=None) -> int:
               "eval_kinds": [n for n in names for _ in parts[n, "eval"][0]]}
     labels = {"train": (train_probs, train_ids),
               "eval": tuple(sum((list(parts[n, "eval"][1][i]) for n in names), []) for i in range(2))}
-    # 3. the draft and its vocabulary: the most frequent tokens of the training text.
-    counts = torch.bincount(torch.tensor([t for w in corpus["train"] for t in w]), minlength=target.cfg.vocab_size)
-    vocab_ids = counts.topk(min(args.draft_vocab, target.cfg.vocab_size)).indices.sort().values
+    # 3. the draft and its vocabulary: the most frequent tokens of the training text, or
+    #    an exported draft's layers and vocabulary (--init-draft).
     cfg = draft_config(read_model_config(model_dir), args.layers)
     model, picks = init_draft(target, cfg, args.layers)
-    print(f"draft: {args.layers} layers initialised from target layers {picks}; vocab {len(vocab_ids)}; "
+    if args.init_draft:
+        vocab_ids = start_from_draft(model, Path(args.init_draft))
+        if len(vocab_ids) != args.draft_vocab:
+            raise SystemExit(f"--init-draft {args.init_draft} scores {len(vocab_ids)} tokens, "
+                             f"this run asks for {args.draft_vocab} (--draft-vocab)")
+        start = f"draft {args.init_draft}"
+    else:
+        counts = torch.bincount(torch.tensor([t for w in corpus["train"] for t in w]),
+                                minlength=target.cfg.vocab_size)
+        vocab_ids = counts.topk(min(args.draft_vocab, target.cfg.vocab_size)).indices.sort().values
+        start = f"target layers {picks}"
+    print(f"draft: {args.layers} layers initialised from {start}; vocab {len(vocab_ids)}; "
           f"{len(corpus['train'])} train windows, {len(corpus['eval'])} held-out windows")
     before = evaluate(model, corpus, labels["eval"], vocab_ids)
     history = train(args, model, corpus, labels["train"], vocab_ids, work)
     # 4. evaluate
     after = evaluate(model, corpus, labels["eval"], vocab_ids)
-    report = {"before_training": before, "after_training": after, "layers_from_target": picks,
+    report = {"before_training": before, "after_training": after,
+              "init": f"draft {args.init_draft}" if args.init_draft else f"target layers {picks}",
               "draft_vocab": len(vocab_ids), "train_windows": len(corpus["train"]),
               "train_tokens": sum(map(len, corpus["train"])), "steps": args.steps, "batch": args.batch,
               "lr": args.lr, "seed": args.seed, "autocast": "off (f32)" if args.fp32 else "bf16",

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from overlap.config import EngineConfig, SpecConfig
 from overlap.models.heads import load_head
@@ -170,6 +171,19 @@ def test_distill_a_draft_on_the_same_data_and_run_it_losslessly(data, tiny_dirs,
     changed[-1][-1] = (changed[-1][-1] + 1) % target.cfg.vocab_size
     assert distill_draft.covering_states(data, "chat", "train", changed) is None
     greedy_equals_plain(tiny_dirs, SpecConfig(method="draft", num_spec_tokens=3, draft_model=str(out)))
+    # --init-draft continues from the exported draft: with a zero learning rate, the second
+    # export is the first one bit for bit (every layer and the vocabulary were loaded).
+    again = tmp_path / "again"
+    argv_again = [*argv, "--init-draft", str(out), "--lr", "0", "--steps", "1"]
+    argv_again[argv_again.index("--out") + 1], argv_again[argv_again.index("--workdir") + 1] = str(again), str(work / "again")
+    assert distill_draft.main(argv_again) == 0
+    first, second = load_file(str(out / "model.safetensors")), load_file(str(again / "model.safetensors"))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert json.loads((again / "distill_report.json").read_text())["init"] == f"draft {out}"
+    with pytest.raises(SystemExit, match="num_hidden_layers=1, this run: 2"):
+        distill_draft.main([*argv_again, "--layers", "2"])
+    with pytest.raises(SystemExit, match="scores 512 tokens, this run asks for 256"):
+        distill_draft.main([*argv_again, "--draft-vocab", "256"])
 
 
 def test_generated_windows_outlive_the_machine_in_the_pack(tiny_dirs, tmp_path, monkeypatch):
