@@ -43,7 +43,7 @@ from overlap.sampling import SamplingTensors, probabilities, sample
 from overlap.speculative.base import DraftLayout, DraftRequest, FinishedStep, Proposal, Proposer, TreeLayout, Verified
 from overlap.speculative.build import build_proposer
 from overlap.speculative.rejection import verify_chain, verify_greedy
-from overlap.speculative.tree import verify_tree
+from overlap.speculative.tree import verify_tree, verify_tree_greedy
 from overlap.step_timing import StepTiming, TimingTotals
 
 
@@ -478,12 +478,21 @@ class Executor:
         (tokens [S, D+1] i64, num_accepted [S] i64, the moved hidden states [T, H])."""
         st, tb, index = step.sampling, step.tree, step.index
         b, n, depth, dev = len(step.sampled), step.width, tb.depth, self.device
-        # p after each tree's root and nodes (and the one row of a plain sequence), [S, N+1].
-        padded = torch.zeros(b * (n + 1), logits.shape[-1], device=dev)
-        padded[index["padded_all"]] = logits
-        p = probabilities(padded, st.repeat_rows(n + 1)).view(b, n + 1, -1)
-        tokens, accepted, path = verify_tree(p, nodes, tb.parents, tb.order, depth, tb.width, st.seed,
-                                             index["end_pos"])
+        if st.all_greedy:
+            # The target's argmax after each tree's root and nodes, [S, N+1]: the walk on
+            # one-hot p without building it (6.3 -> 0.9 ms for an 8-node tree on a CPU: the
+            # residual updates scan the whole vocabulary per child tried).
+            best = torch.zeros(b * (n + 1), dtype=torch.long, device=dev)
+            best[index["padded_all"]] = logits.argmax(-1)
+            tokens, accepted, path = verify_tree_greedy(best.view(b, n + 1), nodes, tb.parents, tb.order,
+                                                        depth, tb.width)
+        else:
+            # p after each tree's root and nodes (and the one row of a plain sequence), [S, N+1].
+            padded = torch.zeros(b * (n + 1), logits.shape[-1], device=dev)
+            padded[index["padded_all"]] = logits
+            p = probabilities(padded, st.repeat_rows(n + 1)).view(b, n + 1, -1)
+            tokens, accepted, path = verify_tree(p, nodes, tb.parents, tb.order, depth, tb.width, st.seed,
+                                                 index["end_pos"])
         # Compaction: the node at depth i of the accepted path moves to slot n + i (KV) and
         # to row i of the sequence's block (the hidden states the drafter's catch-up reads).
         keep = torch.arange(depth, device=dev)[None, :] < accepted[:, None]  # [S, D]

@@ -141,3 +141,38 @@ def verify_tree(
     out = torch.cat([node_tokens.gather(1, path), tokens.new_zeros(b, 1)], dim=1)
     out = out.scatter(1, num_accepted[:, None], extra[:, None])
     return out, num_accepted, path
+
+
+def verify_tree_greedy(
+    target_best: torch.Tensor,  # [B, N+1] i64: the target's argmax after the root (0) and each node
+    tokens: torch.Tensor,  # [B, N] i64 node tokens
+    parents: torch.Tensor,  # [B, N] i64 (0 = root)
+    order: torch.Tensor,  # [B, N] i64 index among siblings
+    depth: int,
+    max_children: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """verify_tree when every request is greedy: p is one-hot at the target's argmax, so a
+    child is accepted iff its token is that argmax (the first such child in sibling order),
+    a refused child leaves the residual as it was, and the extra token is the argmax at the
+    end of the path. No [B, N+1, V] probabilities, no noise: an argmax walk over depth.
+    Same outputs as verify_tree on one-hot p."""
+    b = tokens.shape[0]
+    rows = torch.arange(b, device=tokens.device)
+    children = children_table(parents, order, max_children)  # [B, N+1, C]
+    node_tokens = torch.cat([tokens.new_zeros(b, 1), tokens], dim=1)  # [B, N+1], root = 0
+    current = torch.zeros(b, dtype=torch.long, device=tokens.device)
+    num_accepted = torch.zeros(b, dtype=torch.long, device=tokens.device)
+    path = torch.zeros(b, depth, dtype=torch.long, device=tokens.device)
+    for d in range(depth):
+        # A walk that stopped stays stopped: its node and the argmax after it do not change.
+        kids = children[rows, current]  # [B, C], 0 = no child
+        want = target_best.gather(1, current[:, None])  # [B, 1]
+        match = (kids > 0) & (node_tokens.gather(1, kids) == want)
+        took = match.any(dim=1)
+        child = kids.gather(1, match.long().argmax(dim=1, keepdim=True))[:, 0]  # the first match
+        current = torch.where(took, child, current)
+        path[:, d] = torch.where(took, child, path[:, d])
+        num_accepted += took.long()
+    extra = target_best.gather(1, current[:, None])  # recovered or bonus: the argmax
+    out = torch.cat([node_tokens.gather(1, path), tokens.new_zeros(b, 1)], dim=1)
+    return out.scatter(1, num_accepted[:, None], extra), num_accepted, path

@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from overlap.speculative.tree import TreeShape, children_table, verify_tree
+from overlap.speculative.tree import TreeShape, children_table, verify_tree, verify_tree_greedy
 from speculative import doubles
 from speculative.markov import assert_law, law_rejected
 
@@ -128,6 +128,30 @@ def test_greedy_tree_follows_the_argmax():
     # The walk stopped only where no child had the argmax token.
     present = {p for p in prefixes[1:]}
     assert tuple(greedy) not in present
+
+
+@pytest.mark.parametrize("shape", [DEPTH3, TreeShape.default(3, 2, 8), TreeShape.default(4, 3, 12),
+                                   TreeShape(((0,), (0, 0), (0, 0, 0)))])
+def test_greedy_tree_walk_equals_the_walk_on_one_hot_p(shape):
+    """verify_tree_greedy (the executor's all-greedy path: argmaxes, no probabilities) gives
+    verify_tree's tokens, counts and paths on one-hot p, for random trees over a tiny
+    vocabulary (many matches, repeated sibling tokens), and for rows whose tree nobody can
+    enter (every node its own parent: a plainly decoding row beside the trees)."""
+    b, n, gen = 3000, shape.size, torch.Generator().manual_seed(5)
+    best = torch.randint(0, VOCAB, (b, n + 1), generator=gen)
+    tokens = torch.randint(0, VOCAB, (b, n), generator=gen)
+    parents = torch.tensor(shape.parents()).repeat(b, 1)
+    closed = torch.rand(b, generator=gen) < 0.1
+    parents[closed] = torch.arange(1, n + 1)
+    order = torch.tensor(shape.sibling_order()).repeat(b, 1)
+    one_hot = torch.nn.functional.one_hot(best, VOCAB).float()
+    walked = verify_tree(one_hot, tokens, parents, order, shape.depth, shape.max_children(),
+                         torch.arange(b), torch.full((b,), 7))
+    greedy = verify_tree_greedy(best, tokens, parents, order, shape.depth, shape.max_children())
+    for a, g in zip(walked, greedy):
+        assert torch.equal(a, g)
+    assert greedy[1].float().mean() > 0.1 and int((greedy[1] == shape.depth).sum()) > 0
+    assert int(greedy[1][closed].sum()) == 0
 
 
 def test_tree_shapes():
