@@ -95,6 +95,17 @@ def children_table(parents: torch.Tensor, order: torch.Tensor, max_children: int
     return table.view(b, n + 1, max_children)
 
 
+def _walk_start(tokens: torch.Tensor, parents: torch.Tensor, order: torch.Tensor, depth: int, max_children: int):
+    """A tree walk's starting state, B walks at their roots: (rows [B], children [B, N+1, C],
+    node tokens [B, N+1] (root = 0), current node [B], accepted count [B], path [B, D])."""
+    b, dev = tokens.shape[0], tokens.device
+    children = children_table(parents, order, max_children)
+    node_tokens = torch.cat([tokens.new_zeros(b, 1), tokens], dim=1)
+    zeros = torch.zeros(b, dtype=torch.long, device=dev)
+    return (torch.arange(b, device=dev), children, node_tokens, zeros, zeros.clone(),
+            torch.zeros(b, depth, dtype=torch.long, device=dev))
+
+
 def verify_tree(
     target_probs: torch.Tensor,  # [B, N+1, V] f32: p after the root (row 0) and after each node
     tokens: torch.Tensor,  # [B, N] i64 node tokens
@@ -109,13 +120,9 @@ def verify_tree(
     num_accepted [B] i64; path [B, D] i64: node ids of the accepted path, 0 past it).
     All on the device; the loops run over depth and children, not over sequences."""
     b = tokens.shape[0]
-    rows = torch.arange(b, device=tokens.device)
-    children = children_table(parents, order, max_children)  # [B, N+1, C]
-    node_tokens = torch.cat([tokens.new_zeros(b, 1), tokens], dim=1)  # [B, N+1], root = 0
-    current = torch.zeros(b, dtype=torch.long, device=tokens.device)
+    rows, children, node_tokens, current, num_accepted, path = _walk_start(tokens, parents, order, depth,
+                                                                         max_children)
     alive = torch.ones(b, dtype=torch.bool, device=tokens.device)
-    num_accepted = torch.zeros(b, dtype=torch.long, device=tokens.device)
-    path = torch.zeros(b, depth, dtype=torch.long, device=tokens.device)
     p_res = target_probs[:, 0]  # [B, V]
     for d in range(depth):
         u = uniform_noise(seed, first_position + d, NOISE_TREE, max_children)  # [B, C]
@@ -157,12 +164,8 @@ def verify_tree_greedy(
     end of the path. No [B, N+1, V] probabilities, no noise: an argmax walk over depth.
     Same outputs as verify_tree on one-hot p."""
     b = tokens.shape[0]
-    rows = torch.arange(b, device=tokens.device)
-    children = children_table(parents, order, max_children)  # [B, N+1, C]
-    node_tokens = torch.cat([tokens.new_zeros(b, 1), tokens], dim=1)  # [B, N+1], root = 0
-    current = torch.zeros(b, dtype=torch.long, device=tokens.device)
-    num_accepted = torch.zeros(b, dtype=torch.long, device=tokens.device)
-    path = torch.zeros(b, depth, dtype=torch.long, device=tokens.device)
+    rows, children, node_tokens, current, num_accepted, path = _walk_start(tokens, parents, order, depth,
+                                                                         max_children)
     for d in range(depth):
         # A walk that stopped stays stopped: its node and the argmax after it do not change.
         kids = children[rows, current]  # [B, C], 0 = no child
