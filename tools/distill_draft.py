@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from corpus import chat_instructions, function_headers, read_text, split_files  # noqa: E402
 from overlap.attention import ReferenceBackend, SeqAttention  # noqa: E402
 from overlap.models.llama import LlamaModel, load_llama  # noqa: E402
-from overlap.models.loading import load_tokenizer, read_model_config, resolve_model_dir  # noqa: E402
+from overlap.models.loading import load_state_dict, load_tokenizer, read_model_config, resolve_model_dir  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -302,24 +302,30 @@ def init_draft(target: LlamaModel, cfg: dict, layers: int):
     return model, picks
 
 
-def start_from_draft(model, draft_dir: Path) -> torch.Tensor:
-    """Copy an exported draft's layers and final norm into this f32 draft (continued
-    distillation) and return its vocabulary. Its shape must be this run's and it must belong
-    to this target (same width and vocabulary size)."""
-    cfg = json.loads((draft_dir / "config.json").read_text())
-    ours = model.config
+def read_init_draft(draft_dir: Path, cfg: dict, draft_vocab: int) -> tuple[dict, torch.Tensor]:
+    """An exported draft to continue (--init-draft), checked against this run before any
+    labels are made: (its f32 weights, its vocabulary). Its shape must be this run's and it
+    must belong to this target (same width and vocabulary size)."""
+    theirs = read_model_config(draft_dir)
     for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                 "num_key_value_heads", "vocab_size"):
-        if cfg.get(key) != getattr(ours, key):
-            raise SystemExit(f"--init-draft {draft_dir}: {key}={cfg.get(key)}, this run: {getattr(ours, key)}")
-    weights = load_file(str(draft_dir / "model.safetensors"))
+        if theirs.get(key) != cfg.get(key):
+            raise SystemExit(f"--init-draft {draft_dir}: {key}={theirs.get(key)}, this run: {cfg.get(key)}")
+    weights = load_state_dict(draft_dir, torch.float32)
     vocab_ids = weights.pop("vocab_ids").long()
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=False)
+    if len(vocab_ids) != draft_vocab:
+        raise SystemExit(f"--init-draft {draft_dir} scores {len(vocab_ids)} tokens, "
+                         f"this run asks for {draft_vocab} (--draft-vocab)")
+    return weights, vocab_ids
+
+
+def start_from_draft(model, weights: dict, draft_dir: Path) -> None:
+    """Copy an exported draft's layers and final norm (read_init_draft) into this f32 draft."""
+    missing, unexpected = model.load_state_dict(weights, strict=False)
     shared = {"model.embed_tokens.weight", "lm_head.weight"}  # the target's, never stored
     if unexpected or set(missing) - shared:
         raise SystemExit(f"--init-draft {draft_dir}: missing {sorted(set(missing) - shared)}, "
                          f"unexpected {sorted(unexpected)}")
-    return vocab_ids
 
 
 def draft_logits(model, ids: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
@@ -438,6 +444,9 @@ def main(argv=None) -> int:
     model_dir = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir)
     target = load_llama(model_dir, torch.bfloat16)
+    cfg = draft_config(read_model_config(model_dir), args.layers)
+    # A draft to continue is checked now, not after the labels (minutes on real data).
+    init = read_init_draft(Path(args.init_draft), cfg, args.draft_vocab) if args.init_draft else None
     # 1. corpus and 2. labels, per part
     parts = load_parts(args, tokenizer, target, work)
     names = part_names(args)
@@ -456,13 +465,10 @@ def main(argv=None) -> int:
               "eval": tuple(sum((list(parts[n, "eval"][1][i]) for n in names), []) for i in range(2))}
     # 3. the draft and its vocabulary: the most frequent tokens of the training text, or
     #    an exported draft's layers and vocabulary (--init-draft).
-    cfg = draft_config(read_model_config(model_dir), args.layers)
     model, picks = init_draft(target, cfg, args.layers)
-    if args.init_draft:
-        vocab_ids = start_from_draft(model, Path(args.init_draft))
-        if len(vocab_ids) != args.draft_vocab:
-            raise SystemExit(f"--init-draft {args.init_draft} scores {len(vocab_ids)} tokens, "
-                             f"this run asks for {args.draft_vocab} (--draft-vocab)")
+    if init is not None:
+        weights, vocab_ids = init
+        start_from_draft(model, weights, Path(args.init_draft))
         start = f"draft {args.init_draft}"
     else:
         counts = torch.bincount(torch.tensor([t for w in corpus["train"] for t in w]),
@@ -476,7 +482,7 @@ def main(argv=None) -> int:
     # 4. evaluate
     after = evaluate(model, corpus, labels["eval"], vocab_ids)
     report = {"before_training": before, "after_training": after,
-              "init": f"draft {args.init_draft}" if args.init_draft else f"target layers {picks}",
+              "init": start,
               "draft_vocab": len(vocab_ids), "train_windows": len(corpus["train"]),
               "train_tokens": sum(map(len, corpus["train"])), "steps": args.steps, "batch": args.batch,
               "lr": args.lr, "seed": args.seed, "autocast": "off (f32)" if args.fp32 else "bf16",
