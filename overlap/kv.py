@@ -17,9 +17,13 @@ class KVPool:
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        # One tensor per K and V for all layers; each layer's cache is a contiguous view of it,
+        # so a tree's compaction moves its slots in every layer with one gather and one scatter.
+        self._k_all = torch.zeros(shape, dtype=dtype, device=device)
+        self._v_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = list(self._k_all.unbind(0))
+        self.v = list(self._v_all.unbind(0))
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """slots [T] i64 = page * page_size + offset; k, v [T, kv_heads, head_dim]."""
@@ -33,9 +37,9 @@ class KVPool:
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move KV entries between slots in every layer (tree compaction); src, dst [N] i64."""
-        for layer in range(len(self.k)):
-            for cache in self.flat(layer):
-                cache.index_copy_(0, dst, cache.index_select(0, src))
+        for cache in (self._k_all, self._v_all):
+            slots = cache.view(cache.shape[0], -1, *cache.shape[3:])  # [layers, slots, kv_heads, head_dim]
+            slots.index_copy_(1, dst, slots.index_select(1, src))
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """KV at the given slots, for tests and debugging: [N, kv_heads, head_dim] each."""
@@ -43,7 +47,7 @@ class KVPool:
         return k.index_select(0, slots), v.index_select(0, slots)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in (self._k_all, self._v_all))
 
 
 def slot_mapping(page_table: list[int], start: int, end: int, page_size: int) -> list[int]:

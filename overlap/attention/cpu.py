@@ -15,7 +15,7 @@ import torch
 
 from overlap.attention.base import SeqAttention
 from overlap.kernels import paged_attention
-from overlap.kv import KVPool
+from overlap.kv import KVPool, slot_mapping
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,7 @@ class CpuBackend:
         for s in seqs:
             q_start.append(row)
             row += s.q_len
-            # Slot of every new token: its page at position // page_size, then the offset.
-            table = s.page_table
-            slots += [table[p // page_size] * page_size + p % page_size for p in range(s.kv_len - s.q_len, s.kv_len)]
+            slots += slot_mapping(s.page_table, s.kv_len - s.q_len, s.kv_len, page_size)
         return CpuMetadata(
             torch.tensor(slots, dtype=torch.long),
             torch.tensor(q_start, dtype=torch.int32),
