@@ -160,3 +160,52 @@ def test_vector_path_equals_reference_loops(tmp_path):
         subprocess.run([sys.executable, "-c", code, str(tmp_path / name)], env=env, check=True, timeout=900)
     for vector, loops in zip(torch.load(tmp_path / "vector"), torch.load(tmp_path / "loops")):
         assert torch.equal(vector, loops)
+
+
+def test_cpu_plan_fields_on_random_batches():
+    """The plan's tensors, against the page tables read position by position: every new
+    token's slot, each sequence's first row, lengths, the zero-padded table, the tree rows."""
+    rng, page_size = random.Random(3), 4
+    for _ in range(200):
+        seqs = []
+        for _ in range(rng.randint(1, 5)):
+            kv_len = rng.randint(1, 40)
+            q_len = rng.randint(1, kv_len)
+            table = rng.sample(range(100), -(-kv_len // page_size) + rng.randint(0, 2))
+            tree = torch.rand(q_len, q_len) > 0.5 if rng.random() < 0.3 else None
+            seqs.append(SeqAttention(q_len, kv_len, table, tree))
+        meta = CpuBackend().plan(seqs, page_size)
+        width = max(len(s.page_table) for s in seqs)
+        row, slots = 0, []
+        for i, s in enumerate(seqs):
+            assert (meta.q_start[i].item(), meta.q_len[i].item(), meta.kv_len[i].item()) == (row, s.q_len, s.kv_len)
+            assert meta.page_table[i].tolist() == s.page_table + [0] * (width - len(s.page_table))
+            for pos in range(s.kv_len - s.q_len, s.kv_len):
+                page, offset = divmod(pos, page_size)
+                slots.append(s.page_table[page] * page_size + offset)
+            if meta.tree is not None:
+                own = s.tree_mask if s.tree_mask is not None else torch.ones(s.q_len, s.q_len).tril().bool()
+                assert torch.equal(meta.tree[row: row + s.q_len, : s.q_len], own)
+            row += s.q_len
+        assert meta.slots.dtype == torch.long and meta.slots.tolist() == slots
+        assert meta.q_start.dtype == meta.q_len.dtype == meta.kv_len.dtype == meta.page_table.dtype == torch.int32
+        assert (meta.tree is None) == all(s.tree_mask is None for s in seqs)
+
+
+def test_kv_copy_slots_moves_every_layer_and_only_the_given_slots():
+    """Tree compaction: slot dst[i] takes what src[i] held (read before any write), in every
+    layer of K and V; other slots and the layers' separate views stay as they were."""
+    pool = KVPool(3, 4, 4, HKV, D, torch.float32)
+    for cache in pool.k + pool.v:
+        cache.normal_()
+    before = [c.clone() for c in pool.k + pool.v]
+    src, dst = torch.tensor([5, 9, 6]), torch.tensor([6, 7, 8])  # slot 6 is read and written
+    pool.copy_slots(src, dst)
+    for cache, old in zip(pool.k + pool.v, before):
+        want = old.view(-1, HKV, D).clone()
+        want[dst] = old.view(-1, HKV, D)[src]
+        assert torch.equal(cache.view(-1, HKV, D), want)
+    # a layer's cache is still its own: writing one layer leaves the others alone
+    pool.write(1, torch.tensor([0]), torch.ones(1, HKV, D), torch.ones(1, HKV, D))
+    assert not torch.equal(pool.k[0].view(-1, HKV, D)[0], torch.ones(HKV, D))
+    assert pool.nbytes() == 2 * 3 * 4 * 4 * HKV * D * 4
