@@ -169,3 +169,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot_heads: int, head_dim: int) -> None:
     """Rotate the first rot_heads heads of each qkv row [T, W] bf16 in place; cos/sin [T, D] bf16."""
     _library().rotary_(qkv, cos, sin, rot_heads, head_dim)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [R, V] f32 on the CPU → [R] i64, the same indices as torch.argmax(x, -1) (first
+    maximum; a NaN counts as the largest), 16 lanes at a time (layer_ops.cpp)."""
+    return _library().argmax_rows(x)

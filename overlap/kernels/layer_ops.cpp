@@ -137,3 +137,73 @@ void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t ro
     }
   });
 }
+
+namespace {
+
+// torch.argmax's answer for one row: the first index of the largest value, and a NaN counts
+// as larger than any number (the first NaN wins). Scalar: the reference, and the rare row
+// holding a NaN.
+int64_t argmax_row_scalar(const float* x, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (x[i] != x[i]) return i;
+    if (x[i] > x[best]) best = i;
+  }
+  return best;
+}
+
+// 16 lanes each keep their first maximum (a strict > never replaces an equal value); the
+// lanes' winners then meet with ties to the smaller index, and the tail (indices past every
+// lane's) replaces only on a strict >. torch's own argmax here runs one element at a time:
+// 84 us for a 49,152-token row, 0.34 ms for a 9-row tree verify.
+int64_t argmax_row(const float* x, int64_t n) {
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    __m512 best = _mm512_loadu_ps(x);
+    __m512i best_at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i at = best_at;
+    __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+    int64_t i = 16;
+    for (; i + 16 <= n; i += 16) {
+      at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
+      const __m512 v = _mm512_loadu_ps(x + i);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+      best = _mm512_mask_mov_ps(best, greater, v);
+      best_at = _mm512_mask_mov_epi32(best_at, greater, at);
+    }
+    if (nan) return argmax_row_scalar(x, n);
+    alignas(64) float value[16];
+    alignas(64) int32_t index[16];
+    _mm512_store_ps(value, best);
+    _mm512_store_si512(index, best_at);
+    float m = value[0];
+    int64_t m_at = index[0];
+    for (int l = 1; l < 16; ++l)
+      if (value[l] > m || (value[l] == m && index[l] < m_at)) { m = value[l]; m_at = index[l]; }
+    for (; i < n; ++i) {
+      if (x[i] != x[i]) return i;
+      if (x[i] > m) { m = x[i]; m_at = i; }
+    }
+    return m_at;
+  }
+#endif
+  return argmax_row_scalar(x, n);
+}
+
+}  // namespace
+
+// x [R, V] f32 → [R] i64, torch.argmax(x, -1) exactly (first maximum; NaN largest).
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.size(1) > 0,
+              "argmax_rows: f32 [R, V] with V > 0");
+  x = x.contiguous();
+  const int64_t r = x.size(0), n = x.size(1);
+  auto out = torch::empty({r}, x.options().dtype(torch::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  overlap::parallel_for(r, 2, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) op[i] = argmax_row(xp + i * n, n);
+  });
+  return out;
+}

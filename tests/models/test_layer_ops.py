@@ -57,3 +57,22 @@ def test_silu_mul_vector_body_and_scalar_tail_give_the_same_bits():
     up = torch.cat([_bf16(1, 8, seed=10)[0].float()] * 3)
     got = kernels.silu_mul(torch.cat([gate, up]).to(torch.bfloat16)[None])[0]
     assert torch.equal(got[:8].view(torch.int16), got[16:].view(torch.int16))
+
+
+def test_argmax_rows_equals_torch_argmax_on_ties_infinities_and_nans():
+    """Greedy decoding and verification pick through this kernel: any other index than
+    torch.argmax's (the first maximum; a NaN counts as the largest) would change outputs."""
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 5, 16, 17, 33, 1000, 49153):
+        for _ in range(5):
+            rows = [torch.randint(-2, 2, (n,), generator=gen).float(),  # ties everywhere
+                    torch.randn(n, generator=gen),
+                    torch.full((n,), float("-inf")),  # a trimmed vocabulary's row: all -inf but one
+                    torch.randn(n, generator=gen),
+                    torch.randn(n, generator=gen)]
+            rows[2][torch.randint(n, (1,), generator=gen)] = 0.5
+            rows[3][torch.randint(n, (2,), generator=gen)] = float("nan")
+            rows[4][torch.randint(n, (3,), generator=gen)] = float("inf")
+            x = torch.stack(rows)
+            assert torch.equal(kernels.argmax_rows(x), x.argmax(-1)), n
+    assert kernels.argmax_rows(torch.zeros(0, 7)).shape == (0,)
