@@ -145,27 +145,27 @@ def _mask_top_k_top_p(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor
     return torch.empty_like(logits).scatter_(1, order, masked)
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [R, V] f32 → [R] i64, torch.argmax(x, -1). On the CPU through the compiled kernel:
+    torch's argmax there reads one element at a time (84 us a row of 49,152 here, and a step
+    takes one per verified row, per draft and per sampled token)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1]:
+        return argmax_rows(x)
+    return x.argmax(-1)
+
+
 def race(probs: torch.Tensor, seed: torch.Tensor, position: torch.Tensor, purpose: int) -> torch.Tensor:
     """Draw one index per row from probs [B, V] with counter-based noise → [B] i64."""
     exp_noise = -torch.log(uniform_noise(seed, position, purpose, probs.shape[-1]))
-    return (probs / exp_noise).argmax(dim=-1)
-
-
-def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """logits [R, V] f32 → [R] i64, torch.argmax(logits, -1). On the CPU through the compiled
-    kernel: torch's argmax there reads one element at a time (84 us a row of 49,152 here, and
-    a step takes one per verified row and per draft)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1]:
-        return argmax_rows(logits)
-    return logits.argmax(-1)
+    return row_argmax(probs / exp_noise)
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors, position: torch.Tensor) -> torch.Tensor:
     """logits [B, V] f32, position [B] i64 (where the sampled token will sit) → tokens [B] i64."""
     if st.all_greedy:
-        return greedy_tokens(logits)
+        return row_argmax(logits)
     drawn = race(probabilities(logits, st), st.seed, position, NOISE_SAMPLE)
-    return torch.where(st.temperature == 0, greedy_tokens(logits), drawn)
+    return torch.where(st.temperature == 0, row_argmax(logits), drawn)
 
 
 def draw_draft(logits: torch.Tensor, st: SamplingTensors, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,6 +173,6 @@ def draw_draft(logits: torch.Tensor, st: SamplingTensors, position: torch.Tensor
     will sit) → (tokens [B] i64, q [B, V] f32, the distribution they were drawn from; None
     when every row is greedy: q is then one-hot at the tokens)."""
     if st.all_greedy:
-        return greedy_tokens(logits), None
+        return row_argmax(logits), None
     q = probabilities(logits, st)
     return race(q, st.seed, position, NOISE_DRAFT), q

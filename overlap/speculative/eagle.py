@@ -141,7 +141,7 @@ class EagleProposer(HeadProposer):
     def _top_tokens(self, logits: torch.Tensor, k: int) -> torch.Tensor:
         """logits [B, V] → the k best tokens of each row [B, k], best first. With a trimmed draft
         vocabulary only its N columns can rank (the rest are -inf): top-k over those N, mapped
-        back to token ids (a top-k over 49,152 columns cost ~0.15 ms a parent on a CPU)."""
+        back to token ids (a top-k over 49,152 columns cost ~0.09 ms a parent on a CPU)."""
         ids = self.head.vocab_ids
         if ids is None or ids.numel() < k:
             return torch.topk(logits, min(k, logits.shape[-1])).indices
