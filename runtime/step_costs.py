@@ -14,6 +14,7 @@ from __future__ import annotations
 import platform
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -26,30 +27,43 @@ ROWS = (1, 2, 4, 5, 8, 9, 16)
 BATCHES = (1, 8)
 
 
+def on_a_worker_thread(fn):
+    """fn() on a thread of its own, as the engine runs its forwards (a CPU stream is a worker
+    thread, overlap/device.py). Timed on the main thread the same forwards cost far more from
+    6 rows up (8 rows 32 ms against 20 on a worker, 9 rows 36 against 22, 32 rows 68 against
+    42, session 15: OpenMP's team of the main thread and the kernels' pool.h helpers fight over
+    the cores): a curve the engine never runs on, and the controller planned with it."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="overlap-step-costs") as worker:
+        return worker.submit(fn).result()
+
+
 def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up: first-touch of buffers, lazy kernel loads
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    def timed() -> list[float]:
+        fn()  # warm-up: first-touch of buffers, lazy kernel loads
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return times
+
+    return statistics.median(on_a_worker_thread(timed)) * 1e3
 
 
 class _Step:
-    """One forward of `batch` sequences with `rows` new tokens each after `context` cached ones."""
+    """One forward of sequences with `rows[i]` new tokens each after `context` cached ones."""
 
-    def __init__(self, forward, kv_pool, backend, batch: int, rows: int, context: int, vocab: int):
+    def __init__(self, forward, kv_pool, backend, rows: list[int], context: int, vocab: int):
         page = kv_pool.page_size
-        pages_per_seq = -(-(context + rows) // page)
-        seqs = [SeqAttention(rows, context + rows, list(range(b * pages_per_seq, (b + 1) * pages_per_seq)))
-                for b in range(batch)]
+        pages_per_seq = -(-(context + max(rows)) // page)
+        seqs = [SeqAttention(q, context + q, list(range(b * pages_per_seq, (b + 1) * pages_per_seq)))
+                for b, q in enumerate(rows)]
         self.meta = backend.plan(seqs, page)
-        gen = torch.Generator().manual_seed(rows * 100 + batch)
-        self.ids = torch.randint(0, vocab, (batch * rows,), generator=gen)
-        self.positions = torch.arange(context, context + rows).repeat(batch)
-        self.logits_rows = torch.arange(batch * rows)
+        gen = torch.Generator().manual_seed(sum(rows) * 100 + len(rows))
+        self.ids = torch.randint(0, vocab, (sum(rows),), generator=gen)
+        self.positions = torch.cat([torch.arange(context, context + q) for q in rows])
+        self.logits_rows = torch.arange(sum(rows))
         self.forward = forward
 
     def __call__(self):
@@ -78,7 +92,7 @@ def measure(model: LlamaModel, config: EngineConfig = EngineConfig(), context: i
     for batch in BATCHES:
         costs = {}
         for rows in ROWS:
-            costs[rows] = _median_ms(_Step(target, kv, backend, batch, rows, context, vocab), repeats)
+            costs[rows] = _median_ms(_Step(target, kv, backend, [rows] * batch, context, vocab), repeats)
             if progress:
                 progress(f"target batch {batch} rows {rows}: {costs[rows]:.2f} ms")
         report["target"][batch] = costs
@@ -102,7 +116,7 @@ def measure(model: LlamaModel, config: EngineConfig = EngineConfig(), context: i
     for name, fn, pool in (("head", head_step, head_kv), ("draft", draft_step, draft_kv)):
         report[name] = {}
         for batch in BATCHES:
-            ms = _median_ms(_Step(fn, pool, backend, batch, 1, context, vocab), repeats)
+            ms = _median_ms(_Step(fn, pool, backend, [1] * batch, context, vocab), repeats)
             report[name][batch] = ms
             if progress:
                 progress(f"{name} batch {batch}: {ms:.2f} ms ({ms / report['target'][batch][1]:.3f} of a target step)")
@@ -177,12 +191,29 @@ DRAFTER_FRACTION = {"draft": 0.18, "mtp": 0.10, "eagle": 0.10, "ngram": 0.0}
 # The target curve of docs/fast_steps.md (total rows → ms, ctx 256: batch 1 and batch 8), the
 # prior of a server that has neither a calibration nor a report; corrected online.
 DEFAULT_CURVE = {1: 16.8, 2: 17.5, 4: 19.3, 8: 27.6, 16: 36.2, 32: 52.6, 64: 84.5, 128: 162.4}
-CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
+# Total rows: every verify shape of k <= 4 at batch 1 (k + 1 rows) and EAGLE's 9-row tree,
+# then a batch of 8 growing; the decisions are made between neighbouring points.
+CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 24, 32, 48, 64)
+CALIBRATION_ROUNDS = 7
+CALIBRATION_VERSION = 2  # in the cache key: a curve measured the older way is measured again
 
 
-def calibrate(model: LlamaModel, config: EngineConfig, context: int = 128, repeats: int = 3) -> dict[int, float]:
-    """Target ms per step vs total query rows, cheaply (a few forwards per point): up to 8
-    sequences of rows/8 rows each, the shape of a decode or verify batch."""
+def spread(total: int, seqs: int) -> list[int]:
+    """`total` rows over `seqs` sequences as evenly as they go (9 over 8: 2, 1, 1, ...)."""
+    return [total // seqs + (1 if i < total % seqs else 0) for i in range(seqs)]
+
+
+def calibrate(model: LlamaModel, config: EngineConfig, context: int = 128,
+              rounds: int = CALIBRATION_ROUNDS) -> dict[int, float]:
+    """Target ms per step vs total query rows, cheaply (a few seconds): up to 8 sequences
+    sharing the rows, the shape of a decode or verify batch.
+
+    Timed round-robin, not point after point: each round times every point once, so a slow
+    spell of the machine (another process, a frequency step) lands on all points alike
+    instead of lifting one of them. A single lifted point decides k: three repeats in a row
+    once measured 4 rows at 1.39 of a 1-row step (the true ratio here is ~1.07), and the
+    controller then kept mtp:3 at k=1 on 90% of its steps. The median of the rounds per
+    point; the controller's cost model makes the curve non-decreasing."""
     page = config.cache.page_size
     backend = make_backend(config.attention_backend, config.device)
     batch_max = 8
@@ -192,12 +223,22 @@ def calibrate(model: LlamaModel, config: EngineConfig, context: int = 128, repea
     def target(ids, pos, meta, rows):
         return model(ids, pos, backend, kv, meta, rows)
 
-    points = {}
-    for total in CALIBRATION_ROWS:
-        batch = min(total, batch_max)
-        points[total] = _median_ms(_Step(target, kv, backend, batch, total // batch, context, model.cfg.vocab_size),
-                                   repeats)
-    return points
+    steps = {total: _Step(target, kv, backend, spread(total, min(total, batch_max)), context,
+                          model.cfg.vocab_size) for total in CALIBRATION_ROWS}
+
+    def timed_rounds() -> dict[int, list[float]]:
+        for step in steps.values():  # warm-up: first touch of buffers, lazy kernel loads
+            step()
+        times: dict[int, list[float]] = {total: [] for total in steps}
+        for _ in range(rounds):
+            for total, step in steps.items():
+                start = time.perf_counter()
+                step()
+                times[total].append(time.perf_counter() - start)
+        return times
+
+    times = on_a_worker_thread(timed_rounds)
+    return {total: statistics.median(ts) * 1e3 for total, ts in times.items()}
 
 
 def _cache_path(config: EngineConfig, model_cfg) -> Path:
@@ -209,7 +250,7 @@ def _cache_path(config: EngineConfig, model_cfg) -> Path:
     key = json.dumps([model_cfg.hidden_size, model_cfg.num_layers, model_cfg.vocab_size,
                       model_cfg.intermediate_size, model_cfg.num_heads, model_cfg.num_kv_heads,
                       config.dtype, config.device, config.matmul, config.attention_backend,
-                      config.cache.page_size, sorted(machine().items())], default=str)
+                      config.cache.page_size, sorted(machine().items()), CALIBRATION_VERSION], default=str)
     name = hashlib.sha1(key.encode()).hexdigest()[:16]
     return Path.home() / ".cache" / "overlap" / "step_costs" / f"{name}.json"
 

@@ -110,6 +110,19 @@ class CostModel(Protocol):
                 catch_up_rows: int = 0, tree: bool = False) -> None: ...
 
 
+def non_decreasing(values: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit of `values` (pool adjacent violators): a run
+    that dips is replaced by its mean."""
+    blocks: list[list[float]] = []  # [sum, count] of each pooled run
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] * blocks[-1][1] > blocks[-1][0] * blocks[-2][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return [total / count for total, count in blocks for _ in range(int(count))]
+
+
 class StepCostModel:
     """Target ms vs total query rows: piecewise linear between measured points, linear past
     the last; the drafter step is `drafter_fraction` of the measured (uncorrected) forward
@@ -136,7 +149,11 @@ class StepCostModel:
         if not points or 1 not in points:
             raise ValueError("a step-cost curve needs at least the 1-row cost")
         self.rows = sorted(points)
-        self.ms = [float(points[r]) for r in self.rows]
+        # A forward over more rows never costs less than one over fewer: a measured dip is the
+        # machine's noise, and a dip is exactly what makes one k look cheaper than a smaller one
+        # (a start-up calibration with 2 rows at 0.93 of 1 and 4 at 1.39 kept mtp:3 at k=1 on
+        # 90% of its steps, session 15). So the curve is the closest non-decreasing one.
+        self.ms = non_decreasing([float(points[r]) for r in self.rows])
         self.drafter_fraction = drafter_fraction
         self.alpha = alpha
         self.correction: dict[int, float] = {}  # bucket → observed / predicted (EMA), plain steps

@@ -26,3 +26,40 @@ def test_step_costs_report_json_and_plot(tmp_path, smol_dir):
     assert report["machine"]["kernels"] in [name for name, _, _ in VARIANTS.values()]
     assert "batch 1" in proc.stdout and "head step" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_calibration_times_every_point_on_a_worker_thread(tiny_dirs):
+    """The engine runs its forwards on a stream's worker thread; the curve is measured there
+    too (on the main thread OpenMP's team and the kernels' pool contend: another curve)."""
+    import threading
+
+    import torch
+
+    from overlap.config import EngineConfig
+    from overlap.models.llama import load_llama
+    from runtime import step_costs
+
+    model = load_llama(tiny_dirs["target"], torch.bfloat16)
+    threads = set()
+    forward = model.forward
+
+    def recording_forward(*args, **kwargs):
+        threads.add(threading.current_thread().name)
+        return forward(*args, **kwargs)
+
+    model.forward = recording_forward
+    points = step_costs.calibrate(model, EngineConfig(), context=16, rounds=2)
+    assert list(points) == list(step_costs.CALIBRATION_ROWS)
+    assert all(ms > 0 for ms in points.values())
+    assert threads and threading.main_thread().name not in threads, threads
+
+
+def test_spread_shares_rows_as_evenly_as_they_go():
+    from runtime.step_costs import spread
+
+    assert spread(9, 8) == [2, 1, 1, 1, 1, 1, 1, 1]
+    assert spread(64, 8) == [8] * 8
+    assert spread(3, 3) == [1, 1, 1]
+    for total in range(1, 70):
+        rows = spread(total, min(total, 8))
+        assert sum(rows) == total and max(rows) - min(rows) <= 1

@@ -377,3 +377,17 @@ def test_admission_judges_a_tree_by_the_trees_acceptance():
     assert ctl.admits_drafts(2, tree)
     ctl.tree_population.rates = [0.05, 0.0, 0.0]
     assert not ctl.admits_drafts(2, tree)
+
+
+def test_a_dip_in_the_measured_curve_is_smoothed_away():
+    """A calibration caught 2 rows below 1 and 4 far above 3 (noise): the curve the controller
+    plans with never falls with more rows, and an unbroken curve is kept as measured."""
+    from overlap.speculative.controller import non_decreasing
+
+    assert non_decreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert non_decreasing([3.0, 1.0, 2.0]) == [2.0, 2.0, 2.0]
+    assert non_decreasing([14.6, 13.5, 20.3, 24.5]) == pytest.approx([14.05, 14.05, 20.3, 24.5])
+    cost = StepCostModel({1: 14.6, 2: 13.5, 4: 20.3, 8: 24.5, 16: 30.6})
+    ms = [cost.step_ms(r) for r in range(1, 20)]
+    assert all(b >= a for a, b in zip(ms, ms[1:]))
+    assert cost.step_ms(16) == 30.6
