@@ -29,10 +29,11 @@ BATCHES = (1, 8)
 
 def on_a_worker_thread(fn):
     """fn() on a thread of its own, as the engine runs its forwards (a CPU stream is a worker
-    thread, overlap/device.py). Timed on the main thread the same forwards cost far more from
-    6 rows up (8 rows 32 ms against 20 on a worker, 9 rows 36 against 22, 32 rows 68 against
-    42, session 15: OpenMP's team of the main thread and the kernels' pool.h helpers fight over
-    the cores): a curve the engine never runs on, and the controller planned with it."""
+    thread, overlap/device.py), so the curve is measured in the engine's threading: which
+    thread opens torch's OpenMP regions changes how they and the kernels' pool.h helpers
+    share the cores. (With OpenMP spinning, i.e. torch imported before overlap, the main
+    thread measured 8 rows at 32 ms against 20 on a worker; with the passive wait that
+    `import overlap` sets, the two agree within the noise: session 15.)"""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="overlap-step-costs") as worker:
         return worker.submit(fn).result()
 

@@ -29,8 +29,8 @@ def test_step_costs_report_json_and_plot(tmp_path, smol_dir):
 
 
 def test_calibration_times_every_point_on_a_worker_thread(tiny_dirs):
-    """The engine runs its forwards on a stream's worker thread; the curve is measured there
-    too (on the main thread OpenMP's team and the kernels' pool contend: another curve)."""
+    """The engine runs its forwards on a stream's worker thread; the curve is measured in the
+    same threading."""
     import threading
 
     import torch
