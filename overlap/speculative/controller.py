@@ -102,8 +102,7 @@ class CostModel(Protocol):
     # What a step pays beyond its rows and the drafter's levels when `speculating` sequences in
     # it draft (the proposal, verification and the speculative path's host work); 0 for none.
     # tree: a step that verifies at least one tree (EAGLE), priced apart from chains-only steps.
-    # rows: the step's total rows, when the price may depend on the step's shape too.
-    def spec_overhead_ms(self, speculating: int, tree: bool = False, rows: int | None = None) -> float: ...
+    def spec_overhead_ms(self, speculating: int, tree: bool = False) -> float: ...
 
     # catch_up_rows: prompt rows the drafter caught up on at the head of this step (queued
     # behind the previous step, so its time lands in this one's).
@@ -144,21 +143,9 @@ class StepCostModel:
     two) and apart for steps that verify a tree (EAGLE) and chains-only steps; a bucket not
     yet seen is priced per sequence from the nearest one that was, a kind not yet seen at 0. One
     price for every batch size was tried first: learned mostly in small batches, it made a
-    draft in a batch of 8 look nearly free (docs/controller.md).
+    draft in a batch of 8 look nearly free (docs/controller.md)."""
 
-    Within a bucket the price is also learned per shape (bucket of the step's total rows), and
-    may be negative: the excess then carries the curve's own error at the rows speculative
-    steps run with, which plain steps never correct. A start-up curve measured the 4-row
-    forward of an mtp:3 step at 1.2-1.4 of a 1-row one (the machine's noise; ~1.1 is
-    typical): one price per bucket, learned mostly from k = 1 steps, left k = 3 overpriced
-    for good, and the controller ran k = 1 on 70-90% of its steps at batch 1 where fixed k = 3
-    was faster (session 15). A curve that overprices a shape keeps it from being chosen, so
-    from being measured: a shape not yet run in a bucket that has run others is priced at
-    `untried_discount` below its curve (optimism where nothing is known), tried once it comes
-    within that of the best choice (two steps: the first is skipped), then priced as measured."""
-
-    def __init__(self, points: dict[int, float], drafter_fraction: float = 0.0, alpha: float = 0.1,
-                 untried_discount: float = 0.2):
+    def __init__(self, points: dict[int, float], drafter_fraction: float = 0.0, alpha: float = 0.1):
         if not points or 1 not in points:
             raise ValueError("a step-cost curve needs at least the 1-row cost")
         self.rows = sorted(points)
@@ -169,15 +156,12 @@ class StepCostModel:
         self.ms = non_decreasing([float(points[r]) for r in self.rows])
         self.drafter_fraction = drafter_fraction
         self.alpha = alpha
-        self.untried_discount = untried_discount
         self.correction: dict[int, float] = {}  # bucket → observed / predicted (EMA), plain steps
         # (bucket of speculating sequences, tree step?) → its speculative steps: (ms beyond the
         # prediction, sequences drafting), the last `window` of them; the first one is skipped
         # (_Overhead). Tree steps apart: a tree's expansion and walk cost more than a chain's,
         # and one median over both priced EAGLE's trees at its chains' price (session 9).
         self.overhead: dict[tuple[int, bool], _Overhead] = {}
-        # ... and per (those, bucket of the step's rows): excess ms down to -predicted / 2.
-        self.shape_overhead: dict[tuple[int, bool, int], _Overhead] = {}
 
     @classmethod
     def from_report(cls, report: dict, drafter: str | None = None, batch=None) -> "StepCostModel":
@@ -199,25 +183,11 @@ class StepCostModel:
         return {"points": {str(r): ms for r, ms in zip(self.rows, self.ms)}, "drafter_fraction": self.drafter_fraction,
                 "correction": {str(1 << (b - 1)): c for b, c in sorted(self.correction.items())},
                 "spec_overhead_ms": {("tree " if t else "") + str(1 << (b - 1)): o.ms
-                                     for (b, t), o in sorted(self.overhead.items()) if o.ready},
-                # "[tree ]S/R": S drafting sequences, R rows, each the lower end of its bucket
-                "spec_overhead_ms_by_shape": {("tree " if t else "") + f"{1 << (b - 1)}/{self._rows_bucket_start(r)}": o.ms
-                                              for (b, t, r), o in sorted(self.shape_overhead.items()) if o.ready}}
+                                     for (b, t), o in sorted(self.overhead.items()) if o.ready}}
 
     @staticmethod
     def _bucket(rows: int) -> int:
         return max(rows, 1).bit_length()
-
-    @staticmethod
-    def _rows_bucket(rows: int) -> int:
-        """1, 2, ..., 8 rows each their own (at batch 1 each k is its own shape: sharing one
-        price, k = 2's steps priced k = 3 out), then 9-16, 17-32, ... as 9, 10, ..."""
-        rows = max(rows, 1)
-        return rows if rows <= 8 else 5 + (rows - 1).bit_length()
-
-    @staticmethod
-    def _rows_bucket_start(bucket: int) -> int:
-        return bucket if bucket <= 8 else (1 << (bucket - 6)) + 1
 
     def _base(self, rows: int) -> float:
         rows = max(rows, 1)
@@ -243,22 +213,11 @@ class StepCostModel:
         # chose k = 1 where fixed k = 3 ran 9% faster (docs/controller.md, session 9).
         return self.drafter_fraction * self._base(rows) if rows else 0.0
 
-    def spec_overhead_ms(self, speculating: int, tree: bool = False, rows: int | None = None) -> float:
-        if speculating <= 0:
-            return 0.0
-        if rows is not None:
-            bucket = (self._bucket(speculating), tree)
-            shape = self.shape_overhead.get(bucket + (self._rows_bucket(rows),))
-            if shape is not None and shape.ready:
-                return shape.ms * speculating / shape.count
-            if any(key[:2] == bucket and o.ready for key, o in self.shape_overhead.items()):
-                # A shape its bucket has not run yet: priced below its curve, so it is tried
-                # once it comes near the best choice, and then priced as measured.
-                return -self.untried_discount * self.step_ms(rows)
+    def spec_overhead_ms(self, speculating: int, tree: bool = False) -> float:
         # This kind's buckets only: a kind not seen yet is free, so it gets tried and measured
         # (borrowing the tree's price kept EAGLE's cheaper chains from ever being tried).
         seen = {b: o for (b, t), o in self.overhead.items() if o.ready and t == tree}
-        if not seen:
+        if speculating <= 0 or not seen:
             return 0.0
         own = seen.get(self._bucket(speculating))
         if own is not None:  # its own bucket, per sequence within it
@@ -285,11 +244,8 @@ class StepCostModel:
         if speculating:
             predicted = self.step_ms(rows) + sum(self.drafter_ms(n) for n in drafter_rows if n)
             # Clamped like the ratio below: one stalled step must not rewrite the overhead.
-            excess = min(ms - predicted, predicted)
-            bucket = (self._bucket(speculating), tree)
-            self.overhead.setdefault(bucket, _Overhead()).add(max(excess, 0.0), speculating)
-            self.shape_overhead.setdefault(bucket + (self._rows_bucket(rows),), _Overhead()).add(
-                max(excess, -predicted / 2), speculating)
+            excess = min(max(ms - predicted, 0.0), predicted)
+            self.overhead.setdefault((self._bucket(speculating), tree), _Overhead()).add(excess, speculating)
             return
         predicted = self._base(rows)
         if predicted <= 0:
@@ -485,7 +441,7 @@ class SpeculationController:
         """Predicted ms of a step over `rows` rows where `speculating` sequences draft and
         levels[j] of them run drafter level j + 2; tree: at least one of them a tree."""
         return (self.cost.step_ms(rows) + sum(self.cost.drafter_ms(n) for n in levels if n)
-                + self.cost.spec_overhead_ms(speculating, tree, rows))
+                + self.cost.spec_overhead_ms(speculating, tree))
 
     def _hopeless(self, option: SpecOption, rows: int, tokens: float) -> bool:
         """Whether `option` for one sequence, with the acceptance of an average request (the

@@ -21,7 +21,7 @@ class Scripted:
     def drafter_ms(self, rows):
         return self.drafter * self.step_ms(rows)
 
-    def spec_overhead_ms(self, speculating, tree=False, rows=None):
+    def spec_overhead_ms(self, speculating, tree=False):
         return self.overhead if speculating else 0.0
 
     def observe(self, rows, drafter_rows, ms, speculating=0, catch_up_rows=0, tree=False):
@@ -391,46 +391,3 @@ def test_a_dip_in_the_measured_curve_is_smoothed_away():
     ms = [cost.step_ms(r) for r in range(1, 20)]
     assert all(b >= a for a, b in zip(ms, ms[1:]))
     assert cost.step_ms(16) == 30.6
-
-
-def test_the_price_of_speculating_is_learned_per_shape_and_may_be_negative():
-    """Within a bucket of drafting sequences, each bucket of total rows keeps its own excess:
-    a curve that overprices 4 rows shows up as a negative price there, not as a positive one
-    borrowed from the 2-row steps; a shape not run yet in a seen bucket is priced below its
-    curve (so it is tried)."""
-    cost = StepCostModel({1: 10.0, 2: 10.0, 4: 14.0, 8: 16.0})
-    for _ in range(10):
-        cost.observe(2, [], 10.0 + 2.0, speculating=1)  # k=1: 2 ms over the curve
-        cost.observe(4, [], 14.0 - 1.5, speculating=1)  # k=3: the curve's 4 rows were 1.5 ms high
-    assert cost.spec_overhead_ms(1, rows=2) == pytest.approx(2.0)
-    assert cost.spec_overhead_ms(1, rows=4) == pytest.approx(-1.5)
-    assert cost.spec_overhead_ms(1, rows=3) == pytest.approx(-0.2 * cost.step_ms(3))  # k = 2: not run yet
-    assert cost.spec_overhead_ms(1, rows=9) == pytest.approx(-0.2 * cost.step_ms(9))  # not run yet: tried
-    cost.observe(12, [], cost.step_ms(12) + 1.0, speculating=1)  # 9-16 rows share a price
-    cost.observe(16, [], cost.step_ms(16) + 1.0, speculating=1)
-    assert cost.spec_overhead_ms(1, rows=9) == pytest.approx(1.0)
-    assert cost.spec_overhead_ms(1) >= 0.0  # the bucket's price for shapes in general
-    cost.observe(4, [], 100.0, speculating=1)  # one stalled step: bounded, and the median holds
-    assert cost.spec_overhead_ms(1, rows=4) == pytest.approx(-1.5)
-    assert cost.as_dict()["spec_overhead_ms_by_shape"] == {"1/2": pytest.approx(2.0), "1/4": pytest.approx(-1.5),
-                                                            "1/9": pytest.approx(1.0)}
-
-
-def test_batch_one_finds_full_k_when_the_curve_overprices_its_rows():
-    """Closed loop at batch 1: the curve prices the 4-row verify at 1.6 plain steps (a noisy
-    calibration; the machine runs it at 1.09), speculating costs 2 ms on top, drafts land
-    often. The controller must end up at k = 3, the fastest on this machine, not stay at the
-    k = 1 the curve suggests."""
-    true_ms = lambda rows, levels, spec: 10.0 * (1 + 0.03 * (rows - 1)) + 0.7 * levels + (2.0 if spec else 0.0)
-    cost = StepCostModel({1: 10.0, 2: 10.3, 4: 16.0, 8: 20.0}, drafter_fraction=0.07)
-    ctl = controller(cost)
-    accepted_pattern = [3, 1, 2, 3, 0, 3, 2, 1, 3, 2]  # 0.9 / 0.78 / 0.57 per position
-    chosen = []
-    for step in range(80):
-        (option,) = ctl.choose([Candidate("a", chain_options(3))])
-        k = option.k
-        chosen.append(k)
-        ctl.observe_step(1 + k, [1] * max(0, k - 1), true_ms(1 + k, max(0, k - 1), k > 0) / 1e3,
-                         speculating=1 if k else 0)
-        ctl.observe("a", k, min(k, accepted_pattern[step % len(accepted_pattern)]))
-    assert chosen[-40:].count(3) >= 36, chosen
