@@ -38,18 +38,27 @@ def on_a_worker_thread(fn):
         return worker.submit(fn).result()
 
 
-def _median_ms(fn, repeats: int) -> float:
-    def timed() -> list[float]:
-        fn()  # warm-up: first-touch of buffers, lazy kernel loads
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
+def _timed_rounds(calls: dict, rounds: int, warmups: int = 1) -> dict:
+    """Seconds of each call, once per round, round-robin (a slow spell of the machine lands on
+    every call alike), after `warmups` untimed calls each (first touch of buffers, lazy
+    kernel loads); on a worker thread, as the engine runs its forwards."""
+    def run() -> dict:
+        for fn in calls.values():
+            for _ in range(warmups):
+                fn()
+        times = {key: [] for key in calls}
+        for _ in range(rounds):
+            for key, fn in calls.items():
+                start = time.perf_counter()
+                fn()
+                times[key].append(time.perf_counter() - start)
         return times
 
-    return statistics.median(on_a_worker_thread(timed)) * 1e3
+    return on_a_worker_thread(run)
+
+
+def _median_ms(fn, repeats: int) -> float:
+    return statistics.median(_timed_rounds({0: fn}, repeats, warmups=2)[0]) * 1e3
 
 
 class _Step:
@@ -192,7 +201,7 @@ DRAFTER_FRACTION = {"draft": 0.18, "mtp": 0.10, "eagle": 0.10, "ngram": 0.0}
 # The target curve of docs/fast_steps.md (total rows → ms, ctx 256: batch 1 and batch 8), the
 # prior of a server that has neither a calibration nor a report; corrected online.
 DEFAULT_CURVE = {1: 16.8, 2: 17.5, 4: 19.3, 8: 27.6, 16: 36.2, 32: 52.6, 64: 84.5, 128: 162.4}
-# Total rows: every verify shape of k <= 4 at batch 1 (k + 1 rows) and EAGLE's 9-row tree,
+# Total rows: every verify shape of k <= 5 at batch 1 (k + 1 rows) and EAGLE's 9-row tree,
 # then a batch of 8 growing; the decisions are made between neighbouring points.
 CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 24, 32, 48, 64)
 CALIBRATION_ROUNDS = 7
@@ -212,8 +221,8 @@ def calibrate(model: LlamaModel, config: EngineConfig, context: int = 128,
     Timed round-robin, not point after point: each round times every point once, so a slow
     spell of the machine (another process, a frequency step) lands on all points alike
     instead of lifting one of them. A single lifted point decides k: three repeats in a row
-    once measured 4 rows at 1.39 of a 1-row step (the true ratio here is ~1.07), and the
-    controller then kept mtp:3 at k=1 on 90% of its steps. The median of the rounds per
+    once measured 4 rows at 1.39 of a 1-row step (round-robin calibrations here: 0.91-1.20),
+    and the controller then kept mtp:3 at k=1 on 90% of its steps. The median of the rounds per
     point; the controller's cost model makes the curve non-decreasing."""
     page = config.cache.page_size
     backend = make_backend(config.attention_backend, config.device)
@@ -226,19 +235,7 @@ def calibrate(model: LlamaModel, config: EngineConfig, context: int = 128,
 
     steps = {total: _Step(target, kv, backend, spread(total, min(total, batch_max)), context,
                           model.cfg.vocab_size) for total in CALIBRATION_ROWS}
-
-    def timed_rounds() -> dict[int, list[float]]:
-        for step in steps.values():  # warm-up: first touch of buffers, lazy kernel loads
-            step()
-        times: dict[int, list[float]] = {total: [] for total in steps}
-        for _ in range(rounds):
-            for total, step in steps.items():
-                start = time.perf_counter()
-                step()
-                times[total].append(time.perf_counter() - start)
-        return times
-
-    times = on_a_worker_thread(timed_rounds)
+    times = _timed_rounds(steps, rounds)
     return {total: statistics.median(ts) * 1e3 for total, ts in times.items()}
 
 
