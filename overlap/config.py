@@ -98,6 +98,11 @@ class SpecConfig:
     # None: the head's own choice, its config's `draft_vocab`, 8,192 for the shipped head);
     # verification stays over the full vocabulary, so outputs do not change.
     draft_vocab: int | None = None
+    # draft / mtp / eagle: the drafter's own weights (decoder layers, fusion matmuls, its
+    # lm_head rows) as they are (bf16), or int8 (one scale per output row: steps read half the
+    # bytes; CPU only); auto = int8 where it runs (a bf16 target on the CPU), else bf16. The
+    # target is never quantized, so outputs do not change.
+    drafter_weights: str = "auto"  # auto | bf16 | int8
     ngram_min: int = 1
     ngram_max: int = 3
     # on: a cost-model controller chooses each sequence's drafts (or tree) per step, never

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import msgspec
 
-from overlap.config import EngineConfig, check_device, default_draft_dir, default_head_dir, load_config
+from overlap.config import EngineConfig, SpecConfig, check_device, default_draft_dir, default_head_dir, load_config
 from overlap.models.loading import ModelNotFoundError, default_gguf_path
 from runtime.messages import RequestError, SamplingParams
 
@@ -114,6 +115,12 @@ def _add_engine_options(p: argparse.ArgumentParser, bench: bool = False) -> None
                    help="--spec mtp/eagle: the head scores only the N most frequent tokens (FR-Spec; e.g. 8192), "
                         "a cheaper draft step; 0 = the full vocabulary; default: the head's own (its config's "
                         "draft_vocab: 8192 for the shipped head). Outputs do not change")
+    g.add_argument("--drafter-weights", choices=("auto", "bf16", "int8"), nargs="+" if bench else None,
+                   metavar="auto|bf16|int8",
+                   help="--spec draft/mtp/eagle: the drafter's own weights in bf16, or int8 (one scale per "
+                        "output row; steps read half the bytes; CPU only). The target stays bf16: outputs "
+                        "do not change (default: auto = int8 for a bf16 target on the CPU, else bf16)"
+                        + ("; bench: give both to run each drafting mode with each" if bench else ""))
     g.add_argument("--tree", choices=("static", "dynamic"),
                    help="--spec eagle: a fixed tree shape, or EAGLE-2's dynamic one (default: static)")
     g.add_argument("--speculation-controller", choices=("on", "off"), nargs="+" if bench else None,
@@ -302,6 +309,7 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
             head=args.head, tree_depth=args.tree_depth, tree_topk=args.tree_topk, tree_tokens=args.tree_tokens,
             draft_vocab=args.draft_vocab,
             tree=args.tree, controller=_one(getattr(args, "speculation_controller", None)),
+            drafter_weights=_one(getattr(args, "drafter_weights", None)),
             step_costs=getattr(args, "cost_curve", None))),
     )
     if config.spec.method == "eagle" and args.num_spec_tokens is not None:
@@ -311,6 +319,10 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
     if config.spec.draft_vocab and (config.spec.draft_vocab < 0 or config.spec.method in ("draft", "ngram")):
         raise ValueError(f"--draft-vocab {config.spec.draft_vocab}: give a positive N, with --spec mtp or eagle "
                          "(the draft model carries its own trimmed vocabulary)")
+    bench_sweep = isinstance(getattr(args, "drafter_weights", None), list)  # bench: per drafting mode
+    if config.spec.drafter_weights == "int8" and config.spec.method in ("none", "ngram") and not bench_sweep:
+        raise ValueError(f"--drafter-weights int8: --spec {config.spec.method} has no drafter weights "
+                         "(give --spec draft, mtp or eagle)")
     check_device(config.device, config.attention_backend)  # before any model loads
     if config.spec.method == "draft":
         config = dataclasses.replace(config, spec=dataclasses.replace(
@@ -627,10 +639,17 @@ def _bench_variants(args: argparse.Namespace) -> list:
             elif k:
                 config = dataclasses.replace(config, spec=dataclasses.replace(config.spec, num_spec_tokens=int(k)))
             controllers = list(dict.fromkeys(args.speculation_controller or [config.spec.controller]))
-            for ctl in controllers if method != "none" else [config.spec.controller]:
-                label = mode if len(controllers) == 1 or method == "none" else f"{mode} controller={ctl}"
+            weights = list(dict.fromkeys(args.drafter_weights or [config.spec.drafter_weights]))
+            drafts = method in ("draft", "mtp", "eagle")
+            for ctl, wts in itertools.product(controllers if method != "none" else [config.spec.controller],
+                                              weights if drafts else [SpecConfig().drafter_weights]):
+                label = mode
+                if len(controllers) > 1 and method != "none":
+                    label += f" controller={ctl}"
+                if len(weights) > 1 and drafts:
+                    label += f" {wts}"
                 variants.append(Variant(label, dataclasses.replace(
-                    config, spec=dataclasses.replace(config.spec, controller=ctl))))
+                    config, spec=dataclasses.replace(config.spec, controller=ctl, drafter_weights=wts))))
                 if method == "none" and args.aa:
                     # The same engine twice: what "1.00x" looks like on this machine today.
                     variants.append(Variant("none A/A", variants[-1].config))

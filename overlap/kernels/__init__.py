@@ -1,5 +1,6 @@
 """Compiled CPU kernels, batch-invariant by construction: the bf16 linear (linear_bf16.cpp
-says why), paged attention (attention.cpp) and the small per-layer ops fused (layer_ops.cpp).
+says why), the drafters' weight-only int8 linear (linear_int8.cpp), paged attention
+(attention.cpp) and the small per-layer ops fused (layer_ops.cpp).
 
 Built once per ISA variant with the machine's C++ compiler through torch's extension
 builder, cached on disk (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions); later
@@ -21,15 +22,16 @@ from pathlib import Path
 import torch
 
 SOURCES = [str(Path(__file__).with_name(n))
-           for n in ("bindings.cpp", "linear_bf16.cpp", "attention.cpp", "layer_ops.cpp")]
+           for n in ("bindings.cpp", "linear_bf16.cpp", "linear_int8.cpp", "attention.cpp", "layer_ops.cpp")]
 
 # variant id → (name, compiler flags, CPU flags it needs)
 VARIANTS = {
     3: ("amx", ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
-                "-mamx-tile", "-mamx-bf16"],
-        {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile", "amx_bf16"}),
+                "-mavx512vnni", "-mamx-tile", "-mamx-bf16"],
+        {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"}),
     2: ("avx512bf16", ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-                       "-mavx512bf16"], {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
+                       "-mavx512bf16", "-mavx512vnni"],
+        {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}),
     1: ("avx512", ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"],
         {"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
     0: ("avx2", ["-mavx2", "-mfma"], {"avx2", "fma"}),
@@ -138,6 +140,35 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _library().linear(x, packed(weight), weight.shape[0], bias, out_float)
 
 
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] → (q [N, K] int8, scale [N] f32): symmetric, one scale per output row,
+    q = round(w / scale) with scale = max |w| / 127 (a row of zeros keeps scale 0)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127
+    q = torch.where(scale[:, None] > 0, w / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None], 0.0)
+    return q.round().clamp(-127, 127).to(torch.int8), scale
+
+
+def int8_packed(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight's int8 quantization in the kernel's layout, (packed, scale): made on first
+    use and kept on the weight tensor (like `packed`), remade if the weight changes in place."""
+    cached = getattr(weight, "_overlap_int8", None)
+    if cached is None or cached[0] != weight._version:
+        q, scale = quantize_int8(weight)
+        cached = (weight._version, _library().pack_int8(q), scale)
+        weight._overlap_int8 = cached
+    return cached[1], cached[2]
+
+
+def linear_int8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                out_float: bool = False) -> torch.Tensor:
+    """x [M, K] bf16, weight [N, K] (any float dtype; quantized to int8 once) → [M, N] bf16
+    (f32 if out_float): weight-only int8 for drafters, whose rounding never reaches the
+    output (verification is the target's). Row m depends only on row m of x."""
+    packed_q, scale = int8_packed(weight)
+    return _library().linear_int8(x, packed_q, scale, weight.shape[0], bias, out_float)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     q_start: torch.Tensor, q_len: torch.Tensor, kv_len: torch.Tensor,
                     page_table: torch.Tensor, page_size: int, tree: torch.Tensor | None,
@@ -175,3 +206,9 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x [R, V] f32 on the CPU → [R] i64, the same indices as torch.argmax(x, -1) (first
     maximum; a NaN counts as the largest), 16 lanes at a time (layer_ops.cpp)."""
     return _library().argmax_rows(x)
+
+
+def spread_columns(sub: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """sub [R, N] f32, ids [N] i64 ascending → [R, vocab] f32: sub's columns at ids, -inf
+    elsewhere, in one pass on the calling thread (layer_ops.cpp)."""
+    return _library().spread_columns(sub, ids, vocab)

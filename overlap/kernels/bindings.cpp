@@ -5,6 +5,9 @@ torch::Tensor pack_weight(torch::Tensor weight);
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
                      bool out_float);
 int variant();
+torch::Tensor pack_int8(torch::Tensor q);
+torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t n,
+                          c10::optional<torch::Tensor> bias, bool out_float);
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor q_start, torch::Tensor q_len, torch::Tensor kv_len,
                               torch::Tensor page_table, int64_t page_size, torch::Tensor tree,
@@ -14,14 +17,18 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t rot_heads, int64_t head_dim);
 torch::Tensor argmax_rows(torch::Tensor x);
+torch::Tensor spread_columns(torch::Tensor sub, torch::Tensor ids, int64_t vocab);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight", &pack_weight, "a weight [N, K] in the linear kernel's packed layout");
   m.def("linear", &linear, "batch-invariant bf16 linear on a packed weight (linear_bf16.cpp)");
+  m.def("pack_int8", &pack_int8, "an int8 weight [N, K] in the int8 kernel's packed layout");
+  m.def("linear_int8", &linear_int8, "weight-only int8 linear for drafters (linear_int8.cpp)");
   m.def("variant", &variant, "the ISA variant this build was compiled for");
   m.def("paged_attention", &paged_attention, "batch-invariant paged attention (attention.cpp)");
   m.def("rms_norm", &rms_norm, "fused bf16 RMSNorm (layer_ops.cpp)");
   m.def("silu_mul", &silu_mul, "SwiGLU: silu(gate) * up (layer_ops.cpp)");
   m.def("rotary_", &rotary_, "rotary embedding in place on q and k heads (layer_ops.cpp)");
+  m.def("spread_columns", &spread_columns, "a trimmed vocabulary's scores into full rows, -inf elsewhere (layer_ops.cpp)");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of f32 rows, vectorised (layer_ops.cpp)");
 }

@@ -8,6 +8,8 @@
 // bf16 rounding wherever the eager graph stores a bf16 tensor), so results match
 // transformers' bf16 module semantics: normalise in f32, round, scale in bf16.
 #include <torch/extension.h>
+#include <algorithm>
+#include <limits>
 #include <ATen/Parallel.h>
 #include "pool.h"
 #include "fixed_exp.h"
@@ -205,5 +207,31 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   overlap::parallel_for(r, 2, [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) op[i] = argmax_row(xp + i * n, n);
   });
+  return out;
+}
+
+// sub [R, N] f32 (the scores of tokens ids[0..N), ids ascending) → [R, V] f32 with -inf at
+// every other token, on the calling thread: a vectorised fill, then the N scores. As torch
+// ops (full, then index_put_) it cost ~0.15 ms a head pass for V = 49,152: two parallel
+// regions of a few microseconds' work, each waking the sleeping OpenMP team (~65 us).
+torch::Tensor spread_columns(torch::Tensor sub, torch::Tensor ids, int64_t vocab) {
+  TORCH_CHECK(sub.scalar_type() == torch::kFloat32 && sub.dim() == 2, "spread_columns: f32 [R, N]");
+  TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1 && ids.size(0) == sub.size(1),
+              "spread_columns: i64 ids [N]");
+  sub = sub.contiguous();
+  ids = ids.contiguous();
+  const int64_t r = sub.size(0), n = sub.size(1);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j)
+    TORCH_CHECK(id[j] >= 0 && id[j] < vocab && (j == 0 || id[j] > id[j - 1]),
+                "spread_columns: ids must ascend within [0, vocab)");
+  auto out = torch::empty({r, vocab}, sub.options());
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < r; ++i) {
+    const float* src = sub.data_ptr<float>() + i * n;
+    float* dst = out.data_ptr<float>() + i * vocab;
+    std::fill(dst, dst + vocab, neg_inf);
+    for (int64_t j = 0; j < n; ++j) dst[id[j]] = src[j];
+  }
   return out;
 }

@@ -47,7 +47,7 @@ from torch import nn
 from overlap.attention.base import AttentionBackend
 from overlap.config import ModelConfig
 from overlap.kv import KVPool
-from overlap.models.llama import DecoderLayer, LlamaModel, RMSNorm, linear, logits_linear
+from overlap.models.llama import DecoderLayer, LlamaModel, RMSNorm, logits_linear, matmul_fn, spread_vocabulary
 from overlap.models.rope import RotaryTable, rotate
 
 HEAD_TYPE = "mtp"
@@ -56,11 +56,12 @@ HEAD_TYPE = "mtp"
 class MTPHead(nn.Module):
     def __init__(self, cfg: ModelConfig, target: LlamaModel, norms: bool = True,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
-                 feature_layers: tuple[int, ...] = ()):
+                 feature_layers: tuple[int, ...] = (), matmul: str = "exact"):
         """cfg: the target's architecture (any num_layers: the head has one layer).
         target: lends its embed_tokens and lm_head (plain attributes: neither owned nor saved).
         dtype/device default to the target's. feature_layers: read those target layers'
-        outputs (EAGLE-3) through `reduce` instead of the target's final hidden state."""
+        outputs (EAGLE-3) through `reduce` instead of the target's final hidden state.
+        matmul: the inference matmuls (llama.matmul_fn), "int8" for weight-only int8."""
         super().__init__()
         if cfg.hidden_size != target.cfg.hidden_size or cfg.vocab_size != target.cfg.vocab_size:
             raise ValueError(f"head (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) does not fit the "
@@ -78,7 +79,8 @@ class MTPHead(nn.Module):
             # EAGLE-3: low, middle and high layers' outputs, concatenated, down to one vector.
             self.reduce = nn.Parameter(torch.empty(h, len(self.feature_layers) * h))
         self.fuse = nn.Parameter(torch.empty(h, 2 * h))
-        self.layer = DecoderLayer(self.cfg, 0)  # layer 0 of the head's own one-layer KV pool
+        self.linear = matmul_fn(matmul)
+        self.layer = DecoderLayer(self.cfg, 0, matmul)  # layer 0 of the head's own one-layer KV pool
         if norms:
             self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.to(dtype=dtype, device=device)
@@ -98,7 +100,7 @@ class MTPHead(nn.Module):
         reads in place of H. A chain's own head hidden g needs no such step."""
         if not self.feature_layers:
             return states
-        return linear(states.to(self.dtype), self.reduce)
+        return self.linear(states.to(self.dtype), self.reduce)
 
     def trim_vocabulary(self, vocab_ids: torch.Tensor) -> None:
         """Score only these tokens when drafting (FR-Spec): the lm_head read per draft step
@@ -122,7 +124,7 @@ class MTPHead(nn.Module):
         h = target_hidden.to(self.dtype)
         if self.norms:
             e, h = self.norm_embed(e), self.norm_hidden(h)
-        x = linear(torch.cat([e, h], dim=-1), self.fuse)
+        x = self.linear(torch.cat([e, h], dim=-1), self.fuse)
         x = self.layer(x, self.rope.lookup(positions), backend, kv, meta)
         hidden = self.norm(x) if self.norms else x
         if logits_indices is None:
@@ -134,10 +136,9 @@ class MTPHead(nn.Module):
         outside a trimmed vocabulary)."""
         hidden = hidden.to(self.lm_head.dtype)
         if self.vocab_ids is None:
-            return logits_linear(hidden, self.lm_head)
-        full = torch.full((hidden.shape[0], self.cfg.vocab_size), float("-inf"), device=hidden.device)
-        full[:, self.vocab_ids] = logits_linear(hidden, self.lm_rows)
-        return full
+            return logits_linear(hidden, self.lm_head, self.linear)
+        return spread_vocabulary(logits_linear(hidden, self.lm_rows, self.linear), self.vocab_ids,
+                                 self.cfg.vocab_size)
 
     def new_kv_pool(self, num_pages: int, page_size: int) -> KVPool:
         c = self.cfg
@@ -255,8 +256,9 @@ def save_head(head: MTPHead, out_dir, extra: dict | None = None) -> Path:
 
 
 def load_head(head_dir, target: LlamaModel, dtype: torch.dtype | None = None,
-              draft_vocab: int | None = None) -> MTPHead:
-    """An inference head for this target (its dtype and device unless dtype is given).
+              draft_vocab: int | None = None, matmul: str = "exact") -> MTPHead:
+    """An inference head for this target (its dtype and device unless dtype is given), its
+    matmuls `matmul` (llama.matmul_fn: "int8" for weight-only int8).
     draft_vocab N > 0: the head scores only the N most frequent tokens of its training text
     (token_ranks.safetensors in head_dir, from tools/token_ranks.py); 0: every token; None:
     what the head's config.json says (`draft_vocab`, chosen by measurement for that head),
@@ -276,7 +278,8 @@ def load_head(head_dir, target: LlamaModel, dtype: torch.dtype | None = None,
     if layers and max(layers) >= target.cfg.num_layers:
         raise ValueError(f"MTP head {head_dir} reads target layers {list(layers)}; the target has "
                          f"{target.cfg.num_layers}")
-    head = MTPHead(cfg, target, norms=bool(raw.get("norms", True)), dtype=dtype, feature_layers=layers)
+    head = MTPHead(cfg, target, norms=bool(raw.get("norms", True)), dtype=dtype, feature_layers=layers,
+                   matmul=matmul)
     sd = load_file(str(head_dir / "model.safetensors"))
     missing, unexpected = head.load_state_dict(sd, strict=False)
     if missing or unexpected:

@@ -17,11 +17,12 @@ from torch import nn
 from overlap.attention.base import AttentionBackend
 from overlap.config import ModelConfig
 from overlap import kernels
-from overlap.kernels import linear_bf16
+from overlap.kernels import linear_bf16, linear_int8
 from overlap.kv import KVPool
 from overlap.models.rope import RotaryTable, rotate
 
-MATMULS = ("exact", "fast")
+MATMULS = ("exact", "fast")  # a target's: both keep its bf16 weights
+DRAFTER_MATMULS = MATMULS + ("int8",)  # a drafter's may also quantize its own
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -42,19 +43,42 @@ def fast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return F.linear(x, weight, bias)
 
 
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Weight-only int8 (matmul = "int8", drafters only: heads and draft models): bf16 rows on
+    the CPU read an int8 copy of the weight (overlap/kernels/linear_int8.cpp), half the bytes
+    of a bandwidth-bound drafter step. Batch-invariant like `linear`; other dtypes and devices
+    never reach it (the proposer refuses them at start-up)."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        return linear_int8(x, weight, bias)
+    return linear(x, weight, bias)
+
+
 def logits_linear(hidden: torch.Tensor, weight: torch.Tensor, linear_fn=linear) -> torch.Tensor:
     """hidden [N, hidden] @ an lm_head [V, hidden] → logits [N, V] f32. The exact kernel hands
     back its f32 sums unrounded; every model, drafter and head scores tokens through this, so a
     drafter that is the target itself ranks tokens exactly as the target does."""
-    if linear_fn is linear and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
-        return linear_bf16(hidden, weight, out_float=True)
+    if hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
+        if linear_fn is linear:
+            return linear_bf16(hidden, weight, out_float=True)
+        if linear_fn is int8_linear:
+            return linear_int8(hidden, weight, out_float=True)
     return linear_fn(hidden, weight).float()
 
 
+def spread_vocabulary(sub: torch.Tensor, vocab_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A trimmed drafter's logits [N, len(vocab_ids)] f32 → [N, vocab_size], -inf outside
+    vocab_ids (ascending): what samplers and verifiers read. On the CPU one kernel pass."""
+    if sub.device.type == "cpu" and sub.dtype == torch.float32:
+        return kernels.spread_columns(sub, vocab_ids, vocab_size)
+    full = torch.full((sub.shape[0], vocab_size), float("-inf"), device=sub.device)
+    full[:, vocab_ids] = sub
+    return full
+
+
 def matmul_fn(name: str):
-    if name not in MATMULS:
-        raise ValueError(f"matmul must be one of {MATMULS}, got {name!r}")
-    return linear if name == "exact" else fast_linear
+    if name not in DRAFTER_MATMULS:
+        raise ValueError(f"matmul must be one of {DRAFTER_MATMULS}, got {name!r}")
+    return {"exact": linear, "fast": fast_linear, "int8": int8_linear}[name]
 
 
 class RMSNorm(nn.Module):
@@ -128,7 +152,8 @@ class LlamaModel(nn.Module):
                  device: torch.device | str = "cpu", shared_embeddings: "LlamaModel | None" = None,
                  matmul: str = "exact"):
         """shared_embeddings: take embed_tokens and lm_head from that model (drafters).
-        matmul: "exact" (batch-invariant, the default) or "fast" (oneDNN as it chooses)."""
+        matmul: "exact" (batch-invariant, the default), "fast" (oneDNN as it chooses) or, for a
+        draft model, "int8" (weight-only int8 on the CPU: int8_linear)."""
         super().__init__()
         self.cfg = cfg
         self.matmul = matmul
@@ -232,6 +257,9 @@ def load_llama(model_dir, dtype: torch.dtype, device: torch.device | str = "cpu"
     """Build a LlamaModel from a Hugging Face style directory (config.json + safetensors)."""
     from overlap.models.loading import load_state_dict, read_model_config
 
+    if matmul not in MATMULS:  # the target's weights decide the output: never quantized
+        raise ValueError(f"a target's matmul must be one of {MATMULS}, got {matmul!r} "
+                         "(int8 is for drafters: spec.drafter_weights)")
     model = LlamaModel(ModelConfig.from_hf(read_model_config(model_dir)), dtype, device, matmul=matmul)
     model.load_hf_state_dict(load_state_dict(model_dir, dtype))
     return model.eval()

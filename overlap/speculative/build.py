@@ -6,6 +6,8 @@ constructor and files.
 
 from __future__ import annotations
 
+import torch
+
 from overlap.attention import make_backend
 from overlap.config import EngineConfig
 from overlap.models.heads import load_head
@@ -18,6 +20,21 @@ from overlap.speculative.ngram import NgramProposer
 from overlap.speculative.tree import TreeShape
 
 
+def drafter_matmul(config: EngineConfig, model: LlamaModel) -> str | None:
+    """The drafter's matmul (llama.matmul_fn) for spec.drafter_weights: "int8", which needs
+    the CPU kernel's case (a bf16 target on the CPU), or None for bf16 (each drafter's own
+    default); "auto" takes int8 where it runs."""
+    weights = config.spec.drafter_weights
+    if weights not in ("auto", "bf16", "int8"):
+        raise ValueError(f"spec.drafter_weights must be auto, bf16 or int8, got {weights!r}")
+    runs = model.dtype == torch.bfloat16 and model.embed_tokens.device.type == "cpu"
+    if weights == "int8" and not runs:
+        raise ValueError("drafter_weights int8 runs on the CPU with bf16 models (overlap's int8 kernel); "
+                         f"this target is {str(model.dtype).removeprefix('torch.')} on "
+                         f"{model.embed_tokens.device.type}: use bf16 or auto")
+    return "int8" if weights == "int8" or (weights == "auto" and runs) else None
+
+
 def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | None = None) -> Proposer | None:
     spec = config.spec
     if spec.method == "none":
@@ -27,13 +44,13 @@ def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | 
     if spec.method == "draft":
         if not spec.draft_model:
             raise ValueError("spec method 'draft' needs spec.draft_model (a draft directory)")
-        draft = load_draft(spec.draft_model, model)
+        draft = load_draft(spec.draft_model, model, drafter_matmul(config, model))
         return DraftTargetProposer(draft, make_backend(config.attention_backend, config.device),
                                    config.cache.num_pages, config.cache.page_size, scratch_page)
     if spec.method in ("mtp", "eagle"):
         if not spec.head:
             raise ValueError(f"spec method {spec.method!r} needs spec.head (an MTP head directory)")
-        head = load_head(spec.head, model, draft_vocab=spec.draft_vocab)
+        head = load_head(spec.head, model, draft_vocab=spec.draft_vocab, matmul=drafter_matmul(config, model) or "exact")
         # A multi-layer (EAGLE-3) head reads several target layers: the target's forward returns
         # them from the same pass (no extra pass, no host copy), in place of its final hidden.
         model.feature_layers = head.feature_layers

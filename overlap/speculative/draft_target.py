@@ -22,7 +22,7 @@ from overlap.attention.base import AttentionBackend, SeqAttention
 from overlap.batch import BatchPlan, SeqWork
 from overlap.device import upload
 from overlap.graphs import GraphRunner
-from overlap.models.llama import LlamaModel, logits_linear
+from overlap.models.llama import LlamaModel, logits_linear, spread_vocabulary
 from overlap.sampling import draw_draft
 from overlap.speculative.base import CatchUp, DraftLayout, DraftRequest, FinishedStep, Proposal, Verified
 
@@ -33,7 +33,9 @@ class DraftModel:
     def __init__(self, model: LlamaModel, vocab_size: int, vocab_ids: torch.Tensor | None):
         self.model = model
         self.vocab_size = vocab_size
-        self.vocab_ids = vocab_ids  # [Vd] i64 or None
+        # [Vd] i64 ascending, or None (the rows below follow the ids, so their order is free)
+        self.vocab_ids = None if vocab_ids is None else vocab_ids.sort().values
+        vocab_ids = self.vocab_ids
         head = model.lm_head
         # A gathered copy of the shared lm_head rows: [Vd, hidden], a few MB.
         self.lm_head = head if vocab_ids is None else head[vocab_ids].contiguous()
@@ -43,9 +45,7 @@ class DraftModel:
         sub = logits_linear(hidden, self.lm_head, self.model.linear)
         if self.vocab_ids is None:
             return sub
-        full = torch.full((hidden.shape[0], self.vocab_size), float("-inf"), device=hidden.device)
-        full[:, self.vocab_ids] = sub
-        return full
+        return spread_vocabulary(sub, self.vocab_ids, self.vocab_size)
 
 
 class DraftTargetProposer:
@@ -161,9 +161,10 @@ def unseen_tokens(finished: FinishedStep) -> list[CatchUp]:
     return updates
 
 
-def load_draft(draft_dir, target: LlamaModel) -> DraftModel:
+def load_draft(draft_dir, target: LlamaModel, matmul: str | None = None) -> DraftModel:
     """A draft directory holds config.json and model.safetensors with the decoder layers, the
-    final norm and optionally `vocab_ids`; embeddings and lm_head are the target's (shared)."""
+    final norm and optionally `vocab_ids`; embeddings and lm_head are the target's (shared).
+    matmul: the draft's matmuls (None: the target's; "int8": weight-only int8)."""
     from overlap.config import ModelConfig
     from overlap.models.loading import load_state_dict, read_model_config
 
@@ -174,7 +175,7 @@ def load_draft(draft_dir, target: LlamaModel) -> DraftModel:
     sd = load_state_dict(draft_dir, target.dtype)
     vocab_ids = sd.pop("vocab_ids", None)
     model = LlamaModel(cfg, target.dtype, target.embed_tokens.device, shared_embeddings=target,
-                       matmul=target.matmul)
+                       matmul=matmul or target.matmul)
     model.load_hf_state_dict(sd)
     ids = vocab_ids.long().to(target.embed_tokens.device) if vocab_ids is not None else None
     return DraftModel(model.eval(), cfg.vocab_size, ids)

@@ -53,3 +53,24 @@ def test_bench_eagle_with_num_spec_tokens_names_the_fix(capsys, tmp_path):
     prompts.write_text('{"prompt": "x"}\n')
     assert cli.main(["bench", "--prompts", str(prompts), "--spec", "none", "eagle", "--num-spec-tokens", "3"]) == 2
     assert "(mtp:3)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: c[0])
+def test_drafter_weights_reach_the_config_and_need_a_drafter(command):
+    assert config_of(*command, "--drafter-weights", "int8", method="mtp").spec.drafter_weights == "int8"
+    assert config_of(*command, method="draft").spec.drafter_weights == "auto"
+    if command[0] != "bench":  # bench gives the option to its drafting modes only (below)
+        with pytest.raises(ValueError, match="--spec ngram has no drafter weights"):
+            config_of(*command, "--drafter-weights", "int8", method="ngram")
+
+
+def test_bench_runs_each_drafting_mode_with_each_drafter_weights():
+    args = cli.build_parser().parse_args(["bench", "--prompts", "p.jsonl", "--spec", "none", "ngram", "mtp:3",
+                                          "--drafter-weights", "bf16", "int8"])
+    variants = cli._bench_variants(args)
+    assert [(v.label, v.config.spec.drafter_weights) for v in variants] == [
+        ("none", "auto"), ("ngram", "auto"), ("mtp:3 bf16", "bf16"), ("mtp:3 int8", "int8")]
+    args = cli.build_parser().parse_args(["bench", "--prompts", "p.jsonl", "--spec", "none", "draft",
+                                          "--drafter-weights", "int8"])
+    assert [(v.label, v.config.spec.drafter_weights) for v in cli._bench_variants(args)] == [
+        ("none", "auto"), ("draft", "int8")]

@@ -19,8 +19,11 @@ from speculative.markov import law_rejected
 
 def engine(tiny_dirs, method="none", draft="draft", target="target", k=3, page_size=16,
            num_pages=512, max_num_seqs=64, max_batched_tokens=512, controller=None) -> Engine:
+    # The target as its own draft keeps its bf16 weights: q = p exactly, so every greedy draft
+    # is accepted (int8 drafter weights, the CPU default, would round it apart).
     spec = SpecConfig(controller="off", method=method, num_spec_tokens=k,
-                      draft_model=str(tiny_dirs[draft]) if method == "draft" else None)
+                      draft_model=str(tiny_dirs[draft]) if method == "draft" else None,
+                      drafter_weights="bf16" if draft in ("target", "target_v6") else "auto")
     return Engine(EngineConfig(model=str(tiny_dirs[target]), spec=spec,
                                cache=CacheConfig(page_size=page_size, num_pages=num_pages),
                                scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
