@@ -100,8 +100,8 @@ class SpecConfig:
     draft_vocab: int | None = None
     # draft / mtp / eagle: the drafter's own weights (decoder layers, fusion matmuls, its
     # lm_head rows) as they are (bf16), or int8 (one scale per output row: steps read half the
-    # bytes; CPU only); auto = int8 where it runs (a bf16 target on the CPU), else bf16. The
-    # target is never quantized, so outputs do not change.
+    # bytes; CPU only); auto = int8 where it was measured to pay (a bf16 target on an
+    # AVX512_BF16 or AMX CPU), else bf16. The target is never quantized: outputs do not change.
     drafter_weights: str = "auto"  # auto | bf16 | int8
     ngram_min: int = 1
     ngram_max: int = 3

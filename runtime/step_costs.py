@@ -108,7 +108,13 @@ def measure(model: LlamaModel, config: EngineConfig = EngineConfig(), context: i
         report["target"][batch] = costs
         report["ratio"][batch] = {rows: costs[rows] / costs[1] for rows in ROWS}
 
-    head = load_head(head_dir or default_head_dir(), model, draft_vocab=config.spec.draft_vocab)
+    from overlap.speculative.build import drafter_matmul
+
+    # The drafters as the engine would run them (spec.drafter_weights: int8 on the CPU by default).
+    weights = drafter_matmul(config, model)
+    report["drafter_weights"] = "int8" if weights == "int8" else "bf16"
+    head = load_head(head_dir or default_head_dir(), model, draft_vocab=config.spec.draft_vocab,
+                     matmul=weights or "exact")
     report["head_vocab"] = len(head.vocab_ids) if head.vocab_ids is not None else vocab
     head_kv = head.new_kv_pool(_pool_pages(context, page), page)
     hidden = torch.randn(max(BATCHES), model.cfg.hidden_size).to(model.dtype)
@@ -116,7 +122,7 @@ def measure(model: LlamaModel, config: EngineConfig = EngineConfig(), context: i
     def head_step(ids, pos, meta, rows):
         return head(ids, hidden[: ids.numel()], pos, backend, head_kv, meta, rows)
 
-    draft = load_draft(draft_dir or default_draft_dir(), model)
+    draft = load_draft(draft_dir or default_draft_dir(), model, weights)
     draft_kv = draft.model.new_kv_pool(_pool_pages(context, page), page)
 
     def draft_step(ids, pos, meta, rows):
@@ -161,7 +167,7 @@ def format_report(report: dict) -> str:
     for name in ("head", "draft"):
         cells = [f"batch {b}: {report[name][b]:.2f} ms = {report[name + '_fraction'][b]:.3f} of a target step"
                  for b in report[name]]
-        lines.append(f"{name} step: " + "; ".join(cells))
+        lines.append(f"{name} step ({report.get('drafter_weights', 'bf16')} weights): " + "; ".join(cells))
     return "\n".join(lines)
 
 

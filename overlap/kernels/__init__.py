@@ -117,8 +117,13 @@ def _exclusive_build(build_dir: Path):
             fcntl.flock(held, fcntl.LOCK_UN)
 
 
+def variant() -> int:
+    """The ISA variant this process runs (VARIANTS' key)."""
+    return _library().variant()
+
+
 def variant_name() -> str:
-    return VARIANTS[_library().variant()][0]
+    return VARIANTS[variant()][0]
 
 
 def packed(weight: torch.Tensor) -> torch.Tensor:

@@ -159,19 +159,24 @@ Rows prepare_rows(const torch::Tensor& x, int64_t kp) {
   Rows rows;
   rows.x.assign(m * kp, XRow(0));
 #if OVERLAP_VARIANT >= 2
-  // |sum_k x_q w_q| <= kp * XQ_MAX * 127 must fit an int32.
-  const float xq_max = float(std::min<int64_t>(32767, ((int64_t(1) << 31) - 1) / (127 * kp)));
+  // |sum_k x_q w_q| <= kp * XQ_MAX * 127 must fit an int32 (quantize_int8 clamps q to
+  // +-127; pack_int8 refuses -128).
+  const double xq_max = double(std::min<int64_t>(32767, ((int64_t(1) << 31) - 1) / (127 * kp)));
   rows.scale.assign(m, 0.0f);
   for (int64_t i = 0; i < m; ++i) {
     float amax = 0.0f;
-    for (int64_t j = 0; j < k; ++j) amax = std::max(amax, std::fabs(src[i * k + j]));
-    if (!(amax > 0.0f) || !std::isfinite(amax)) {
-      // zeros stay zero; a row with inf/NaN gets NaN sums, as a float matmul would
-      rows.scale[i] = amax > 0.0f ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+    bool finite = true;
+    for (int64_t j = 0; j < k; ++j) {
+      finite &= std::isfinite(src[i * k + j]);
+      amax = std::max(amax, std::fabs(src[i * k + j]));
+    }
+    if (!finite) {  // inf or NaN in the row: NaN sums (no int16 holds them)
+      rows.scale[i] = std::numeric_limits<float>::quiet_NaN();
       continue;
     }
-    rows.scale[i] = amax / xq_max;
-    const float inv = xq_max / amax;
+    if (double(amax) * 1e30 < xq_max) continue;  // zeros (or denormal dust): a zero row
+    rows.scale[i] = float(amax / xq_max);
+    const double inv = xq_max / amax;  // double: no overflow for tiny amax
     for (int64_t j = 0; j < k; ++j) rows.x[i * kp + j] = XRow(std::nearbyint(src[i * k + j] * inv));
   }
 #else
@@ -186,6 +191,8 @@ Rows prepare_rows(const torch::Tensor& x, int64_t kp) {
 // zero-padded (padding adds exact zeros).
 torch::Tensor pack_int8(torch::Tensor q) {
   TORCH_CHECK(q.scalar_type() == torch::kInt8 && q.dim() == 2, "pack_int8: int8 [N, K]");
+  TORCH_CHECK(q.numel() == 0 || q.min().item<int8_t>() > -128,
+              "pack_int8: values in [-127, 127] (the int32 sums' bound assumes it)");
   const int64_t n = q.size(0), k = q.size(1), kp = padded_k(k);
   const int64_t blocks = (n + NB - 1) / NB;
   auto w = torch::zeros({blocks * NB, kp}, q.options());

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from overlap import kernels
 from overlap.attention import make_backend
 from overlap.config import EngineConfig
 from overlap.models.heads import load_head
@@ -23,7 +24,9 @@ from overlap.speculative.tree import TreeShape
 def drafter_matmul(config: EngineConfig, model: LlamaModel) -> str | None:
     """The drafter's matmul (llama.matmul_fn) for spec.drafter_weights: "int8", which needs
     the CPU kernel's case (a bf16 target on the CPU), or None for bf16 (each drafter's own
-    default); "auto" takes int8 where it runs."""
+    default). "auto" takes int8 where it was measured to pay: the integer (AVX512-VNNI) path
+    of AVX512_BF16 and AMX machines; the f32-widening path of AVX512F/AVX2 machines was
+    compute-bound at a few rows, no faster than bf16."""
     weights = config.spec.drafter_weights
     if weights not in ("auto", "bf16", "int8"):
         raise ValueError(f"spec.drafter_weights must be auto, bf16 or int8, got {weights!r}")
@@ -32,7 +35,7 @@ def drafter_matmul(config: EngineConfig, model: LlamaModel) -> str | None:
         raise ValueError("drafter_weights int8 runs on the CPU with bf16 models (overlap's int8 kernel); "
                          f"this target is {str(model.dtype).removeprefix('torch.')} on "
                          f"{model.embed_tokens.device.type}: use bf16 or auto")
-    return "int8" if weights == "int8" or (weights == "auto" and runs) else None
+    return "int8" if weights == "int8" or (weights == "auto" and runs and kernels.variant() >= 2) else None
 
 
 def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | None = None) -> Proposer | None:

@@ -33,12 +33,12 @@ class DraftModel:
     def __init__(self, model: LlamaModel, vocab_size: int, vocab_ids: torch.Tensor | None):
         self.model = model
         self.vocab_size = vocab_size
-        # [Vd] i64 ascending, or None (the rows below follow the ids, so their order is free)
-        self.vocab_ids = None if vocab_ids is None else vocab_ids.sort().values
-        vocab_ids = self.vocab_ids
+        # [Vd] i64 ascending and distinct, or None (the rows below follow the ids, so the
+        # order a draft directory stores them in is free)
+        self.vocab_ids = None if vocab_ids is None else torch.unique(vocab_ids)
         head = model.lm_head
         # A gathered copy of the shared lm_head rows: [Vd, hidden], a few MB.
-        self.lm_head = head if vocab_ids is None else head[vocab_ids].contiguous()
+        self.lm_head = head if self.vocab_ids is None else head[self.vocab_ids].contiguous()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → [N, vocab] f32, -inf outside vocab_ids."""

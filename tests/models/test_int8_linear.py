@@ -1,5 +1,6 @@
 """The drafters' weight-only int8 linear (overlap/kernels/linear_int8.cpp): the sums it
-computes, rows that do not depend on the batch, and the same on every ISA variant."""
+computes, rows that do not depend on the batch, and the same checks on the other ISA
+variants (each rounds its own way)."""
 
 import json
 import os
@@ -76,6 +77,33 @@ def test_int8_logits_are_f32_sums_and_zero_rows_stay_zero():
     assert torch.equal(logits[1], torch.zeros(300))
 
 
+def test_int32_sums_do_not_overflow_at_the_bound():
+    """The largest x and weights over a long row: the integer path's int16 bound on x keeps
+    every int32 sum exact (a bound one too loose wraps around)."""
+    for k in (576, 4096, 16384):
+        w = torch.full((64, k), -1.0, dtype=torch.bfloat16)  # q = -127 everywhere
+        x = torch.full((2, k), 3.0, dtype=torch.bfloat16)
+        got = linear_int8(x, w, out_float=True)
+        assert torch.allclose(got, torch.full((2, 64), -3.0 * k), rtol=1e-4), (k, got[0, 0])
+    with pytest.raises(RuntimeError, match=r"\[-127, 127\]"):
+        __import__("overlap.kernels", fromlist=["_library"])._library().pack_int8(
+            torch.tensor([[-128, 0]], dtype=torch.int8))
+
+
+def test_non_finite_and_tiny_rows():
+    """A row with inf or NaN gives NaN (never finite garbage); a row of tiny values is
+    zero, never overflowed (below ~1e-26 it counts as zeros); a zero row gives zeros."""
+    w = (torch.randn(40, 64, generator=torch.Generator().manual_seed(6)) * 0.05).to(torch.bfloat16)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    x[0, 3], x[1, 5], x[2] = float("nan"), float("inf"), 0.0
+    x[3] = x[3] * 1e-37  # denormal-adjacent values
+    got = linear_int8(x, w, out_float=True)
+    assert not torch.isfinite(got[0]).any() and not torch.isfinite(got[1]).any()
+    assert torch.equal(got[2], torch.zeros(40))
+    assert torch.isfinite(got[3]).all() and got[3].abs().max() < 1e-30
+    assert torch.isfinite(got[4]).all()
+
+
 def test_the_int8_copy_follows_the_weight():
     """Quantized once and kept on the weight; remade when the weight changes in place."""
     w = torch.randn(64, 32).to(torch.bfloat16)
@@ -98,6 +126,7 @@ WORKER = textwrap.dedent("""
         t.check_sums(n, k, gen)
     t.test_int8_rows_do_not_depend_on_batch((37, 77))
     t.test_int8_rows_do_not_depend_on_batch((960, 576))
+    t.test_non_finite_and_tiny_rows()
     print(json.dumps({"variant": variant_name()}))
 """)
 

@@ -1,5 +1,6 @@
 """The fused bf16 layer ops (overlap/kernels/layer_ops.cpp) compute what the eager ops do."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -76,3 +77,22 @@ def test_argmax_rows_equals_torch_argmax_on_ties_infinities_and_nans():
             x = torch.stack(rows)
             assert torch.equal(kernels.argmax_rows(x), x.argmax(-1)), n
     assert kernels.argmax_rows(torch.zeros(0, 7)).shape == (0,)
+
+
+def test_spread_columns_equals_full_then_index_put():
+    """A trimmed vocabulary's scores into full rows (-inf elsewhere), as torch would build them."""
+    from overlap.kernels import spread_columns
+    from overlap.models.llama import spread_vocabulary
+
+    gen = torch.Generator().manual_seed(5)
+    for vocab, n, rows in [(49152, 8192, 1), (49152, 8192, 3), (20, 5, 2), (7, 7, 1), (9, 1, 1)]:
+        ids = torch.randperm(vocab, generator=gen)[:n].sort().values
+        sub = torch.randn(rows, n, generator=gen)
+        want = torch.full((rows, vocab), float("-inf"))
+        want[:, ids] = sub
+        assert torch.equal(spread_columns(sub, ids, vocab), want)
+        assert torch.equal(spread_vocabulary(sub, ids, vocab), want)
+    with pytest.raises(RuntimeError, match="ascend"):
+        spread_columns(torch.zeros(1, 2), torch.tensor([3, 1]), 5)
+    with pytest.raises(RuntimeError, match="ascend"):
+        spread_columns(torch.zeros(1, 1), torch.tensor([5]), 5)

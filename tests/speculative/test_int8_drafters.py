@@ -5,6 +5,7 @@ and the drafter really runs the int8 kernel (its logits differ from the bf16 dra
 import pytest
 import torch
 
+from overlap import kernels
 from overlap.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from overlap.models.llama import int8_linear, linear, load_llama
 from runtime.engine import Engine
@@ -30,6 +31,10 @@ def test_greedy_with_int8_drafters_equals_plain(tiny_dirs, heads, greedy_referen
     assert [r.token_ids for r in results] == greedy_reference(ps, 24)
     assert sum(r.stats.get("draft_tokens", 0) for r in results) > 0
     assert eng.stats()["free_pages"] == eng.stats()["total_pages"]
+    # The target itself stays bf16: its matmuls never made an int8 copy of its own weights
+    # (the lm_head it shares with a head may carry one, for the head's use).
+    assert eng.model.linear is linear
+    assert not any(hasattr(p, "_overlap_int8") for p in eng.model.layers.parameters())
 
 
 @pytest.mark.parametrize("method", ["draft", "mtp"])
@@ -56,10 +61,11 @@ def test_sampling_with_int8_drafters_keeps_the_target_law(tiny_dirs, heads, meth
 
 
 def test_auto_takes_int8_on_the_cpu_in_bf16_only(tiny_dirs, heads):
+    """auto: int8 where the integer (VNNI) path runs, AVX512_BF16 and AMX machines."""
     spec = SpecConfig(controller="off", method="mtp", head=str(heads["target"]))
     assert spec.drafter_weights == "auto"
     bf16 = Engine(EngineConfig(model=str(tiny_dirs["target"]), spec=spec), progress=False)
-    assert bf16.executor.proposer.head.linear is int8_linear
+    assert bf16.executor.proposer.head.linear is (int8_linear if kernels.variant() >= 2 else linear)
     f32 = Engine(EngineConfig(model=str(tiny_dirs["target"]), dtype="float32", spec=spec), progress=False)
     assert f32.executor.proposer.head.linear is linear
 
