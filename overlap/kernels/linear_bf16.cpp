@@ -123,26 +123,15 @@ constexpr int WIDE_ROWS = 4;
 inline int64_t padded_k(int64_t k) { return (k + KSTEP - 1) / KSTEP * KSTEP; }
 
 #if OVERLAP_VARIANT != 3
-// Rows r0..r0+R of x against column block b: R x VECS accumulators in registers.
+#include "tile_sums.h"
+
+// Rows r0..r0+R of x against column block b (tile_sums.h), then the bias and the rounding.
 // X, W: bf16 (the direct path) or f32 (the widened one); the same FMAs either way.
 template <int R, typename X, typename W, typename Out>
 inline void tile(const X* x, int64_t xk, const W* block, int64_t kp, const float* bias,
                  Out* y, int64_t n, int64_t r0, int64_t c0) {
-  Acc acc[R][VECS];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < VECS; ++v) acc[r][v] = zero();
-  for (int64_t k = 0; k < kp; k += KSTEP) {
-    const W* wk = block + k * NB;  // NB outputs x KSTEP k values, contiguous
-    decltype(load_w(wk)) w[VECS];
-    for (int v = 0; v < VECS; ++v) w[v] = load_w(wk + v * VEC * KSTEP);
-    for (int r = 0; r < R; ++r) {
-      auto xv = bcast_x(x + (r0 + r) * xk + k);
-      for (int v = 0; v < VECS; ++v) acc[r][v] = madd(acc[r][v], xv, w[v]);
-    }
-  }
   float sums[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < VECS; ++v) store(sums[r] + v * VEC, acc[r][v]);
+  tile_sums<R>(x, xk, block, kp, r0, sums);
   const int64_t cols = std::min<int64_t>(NB, n - c0);
   for (int r = 0; r < R; ++r)
     for (int64_t c = 0; c < cols; ++c) {

@@ -94,26 +94,15 @@ constexpr int NB = VEC * VECS;  // outputs per column block
 
 inline int64_t padded_k(int64_t k) { return (k + KSTEP - 1) / KSTEP * KSTEP; }
 
-// Rows r0..r0+R of x against one column block: R x VECS accumulators in registers.
+#include "tile_sums.h"
+
+// Rows r0..r0+R of x against one column block (tile_sums.h), then the scales and the bias.
 // row_scale: the f32 scale of each quantized x row (nullptr: x rows are f32 as they are).
 template <int R, typename Out>
 inline void tile(const XRow* x, const float* row_scale, int64_t kp, const int8_t* block,
                  const float* scale, const float* bias, Out* y, int64_t n, int64_t r0, int64_t c0) {
-  Acc acc[R][VECS];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < VECS; ++v) acc[r][v] = zero();
-  for (int64_t k = 0; k < kp; k += KSTEP) {
-    const int8_t* wk = block + k * NB;  // NB outputs x KSTEP k values, contiguous
-    decltype(load_w(wk)) w[VECS];
-    for (int v = 0; v < VECS; ++v) w[v] = load_w(wk + v * VEC * KSTEP);
-    for (int r = 0; r < R; ++r) {
-      auto xv = bcast_x(x + (r0 + r) * kp + k);
-      for (int v = 0; v < VECS; ++v) acc[r][v] = madd(acc[r][v], xv, w[v]);
-    }
-  }
   float sums[R][NB];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < VECS; ++v) store(sums[r] + v * VEC, acc[r][v]);
+  tile_sums<R>(x, kp, block, kp, r0, sums);
   const int64_t cols = std::min<int64_t>(NB, n - c0);
   for (int r = 0; r < R; ++r) {
     const float rs = row_scale ? row_scale[r0 + r] : 1.0f;
