@@ -126,16 +126,22 @@ def variant_name() -> str:
     return VARIANTS[variant()][0]
 
 
-def packed(weight: torch.Tensor) -> torch.Tensor:
-    """The kernel's packed copy of a weight [N, K] (column blocks, k-major inside): made on
-    first use and kept on the weight tensor itself, remade if the weight is changed in place
-    (its version counter moves). Costs one extra copy of the CPU weights in memory."""
-    cached = getattr(weight, "_overlap_packed", None)
+def _kept_on(weight: torch.Tensor, attr: str, make):
+    """make(weight) on first use, kept on the weight tensor itself as `attr` and made again
+    if the weight is changed in place (its version counter moves). Costs one extra copy of
+    the CPU weight in memory."""
+    cached = getattr(weight, attr, None)
     if cached is None or cached[0] != weight._version:
         with torch.no_grad():
-            cached = (weight._version, _library().pack_weight(weight.detach()))
-        weight._overlap_packed = cached
+            cached = (weight._version, make(weight.detach()))
+        setattr(weight, attr, cached)
     return cached[1]
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """The kernel's packed copy of a weight [N, K] (column blocks, k-major inside), kept on
+    the weight (_kept_on)."""
+    return _kept_on(weight, "_overlap_packed", lambda w: _library().pack_weight(w))
 
 
 def linear_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -155,14 +161,13 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_packed(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight's int8 quantization in the kernel's layout, (packed, scale): made on first
-    use and kept on the weight tensor (like `packed`), remade if the weight changes in place."""
-    cached = getattr(weight, "_overlap_int8", None)
-    if cached is None or cached[0] != weight._version:
-        q, scale = quantize_int8(weight)
-        cached = (weight._version, _library().pack_int8(q), scale)
-        weight._overlap_int8 = cached
-    return cached[1], cached[2]
+    """The weight's int8 quantization in the int8 kernel's layout, (packed, scale), kept on
+    the weight beside the bf16 packing (_kept_on)."""
+    def make(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, scale = quantize_int8(w)
+        return _library().pack_int8(q), scale
+
+    return _kept_on(weight, "_overlap_int8", make)
 
 
 def linear_int8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
