@@ -119,7 +119,7 @@ def _add_engine_options(p: argparse.ArgumentParser, bench: bool = False) -> None
                    metavar="auto|bf16|int8",
                    help="--spec draft/mtp/eagle: the drafter's own weights in bf16, or int8 (one scale per "
                         "output row; steps read half the bytes; CPU only). The target stays bf16: outputs "
-                        "do not change (default: auto = int8 for a bf16 target on an AVX512_BF16/AMX CPU, else bf16)"
+                        "do not change (default: auto = int8 for a bf16 target on an AVX2-or-better CPU, else bf16)"
                         + ("; bench: give both to run each drafting mode with each" if bench else ""))
     g.add_argument("--tree", choices=("static", "dynamic"),
                    help="--spec eagle: a fixed tree shape, or EAGLE-2's dynamic one (default: static)")

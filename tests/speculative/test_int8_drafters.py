@@ -61,11 +61,11 @@ def test_sampling_with_int8_drafters_keeps_the_target_law(tiny_dirs, heads, meth
 
 
 def test_auto_takes_int8_on_the_cpu_in_bf16_only(tiny_dirs, heads):
-    """auto: int8 where the integer (VNNI) path runs, AVX512_BF16 and AMX machines."""
+    """auto: int8 wherever the int8 kernel has a SIMD build (AVX2 and up), bf16 targets only."""
     spec = SpecConfig(controller="off", method="mtp", head=str(heads["target"]))
     assert spec.drafter_weights == "auto"
     bf16 = Engine(EngineConfig(model=str(tiny_dirs["target"]), spec=spec), progress=False)
-    assert bf16.executor.proposer.head.linear is (int8_linear if kernels.variant() >= 2 else linear)
+    assert bf16.executor.proposer.head.linear is (int8_linear if kernels.variant() >= 0 else linear)
     f32 = Engine(EngineConfig(model=str(tiny_dirs["target"]), dtype="float32", spec=spec), progress=False)
     assert f32.executor.proposer.head.linear is linear
 
