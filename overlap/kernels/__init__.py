@@ -182,12 +182,14 @@ def linear_int8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     q_start: torch.Tensor, q_len: torch.Tensor, kv_len: torch.Tensor,
                     page_table: torch.Tensor, page_size: int, tree: torch.Tensor | None,
-                    scale: float) -> torch.Tensor:
+                    scale: float, reference: bool = False) -> torch.Tensor:
     """q [T, H, D]; caches [slots, Hkv, D]; q_start/q_len/kv_len [B] i32; page_table [B, P] i32;
-    tree [T, Qmax] bool or None (causal) → [T, H, D] in q's dtype (attention.cpp)."""
+    tree [T, Qmax] bool or None (causal) → [T, H, D] in q's dtype (attention.cpp).
+    reference: the plain loops that define the arithmetic instead of the vector path (the
+    same bits: tests compare the two)."""
     empty = torch.empty(0, dtype=torch.bool)
     return _library().paged_attention(q, k_cache, v_cache, q_start, q_len, kv_len, page_table,
-                                      page_size, empty if tree is None else tree, scale)
+                                      page_size, empty if tree is None else tree, scale, reference)
 
 
 def fusable(x: torch.Tensor) -> bool:

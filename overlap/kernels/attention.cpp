@@ -9,9 +9,10 @@
 // paged pool through the page table.
 //
 // Two implementations of that one arithmetic, giving the same bits:
-// - attend_reference: plain loops, any ISA, any head_dim (the AVX2 and generic variants).
-// - attend_avx512 (variants 1-3, head_dim a multiple of 16): the same operations in the same
-//   order per score and per output element, arranged for the vector unit: 16 keys' scores
+// - attend_reference: plain loops, any ISA, any head_dim (the generic variant, f16 on AVX2).
+// - attend_vector (variants 0-3, head_dim 16-256, a power of two): the same operations in the
+//   same order per score and per output element, on 16-lane vectors (one zmm, or two ymm on
+//   AVX2), arranged for the vector unit: 16 keys' scores
 //   are lane-summed together (reduce16: a transpose-and-add tree doing each key's pairwise
 //   lane sum, instead of 16 separate horizontal sums), the softmax runs on whole rows, and
 //   values are accumulated for a tile of query rows from registers. Scores of keys a row
@@ -29,7 +30,7 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
-#if OVERLAP_VARIANT >= 1
+#if OVERLAP_VARIANT >= 0
 #include <immintrin.h>
 #endif
 
@@ -193,32 +194,42 @@ void attend_reference(const Inputs<T>& in, const Block& blk, Scratch& s) {
   }
 }
 
+#if OVERLAP_VARIANT >= 0
+
+// The vector path works on 16-lane f32 vectors (V16): one zmm register on the AVX-512
+// variants, two ymm registers (lanes 0-7, 8-15) on AVX2. Each ISA below defines V16, its
+// arithmetic (add, mul: never fused, as the reference loops), the widening loads, exp, the
+// row max and reduce16; the attention code after them is one source for both.
 #if OVERLAP_VARIANT >= 1
+
+using V16 = __m512;
+inline V16 vzero() { return _mm512_setzero_ps(); }
+inline V16 vset1(float x) { return _mm512_set1_ps(x); }
+inline V16 vadd(V16 a, V16 b) { return _mm512_add_ps(a, b); }
+inline V16 vsub(V16 a, V16 b) { return _mm512_sub_ps(a, b); }
+inline V16 vmul(V16 a, V16 b) { return _mm512_mul_ps(a, b); }
+inline V16 vexp(V16 x) { return overlap::fixed_exp16(x); }
+inline void vstore(float* p, V16 v) { _mm512_storeu_ps(p, v); }
 
 template <typename T>
 constexpr bool has_load16 = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
 
 // 16 consecutive elements widened to f32 (exact for all three types).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) { return overlap::widen_bf16x16(p); }
-inline __m512 load16(const c10::Half* p) {
+inline V16 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline V16 load16(const c10::BFloat16* p) { return overlap::widen_bf16x16(p); }
+inline V16 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Ask for a key or value row [dim] ahead of its use (HINT: _MM_HINT_T0 into L1, T1 into L2).
-// The pool is paged: the hardware prefetcher sees a new stream at every page, so a decode
-// step over many sequences otherwise waits on memory at each one.
-template <int HINT, typename T>
-inline void prefetch_row(const T* p, int64_t dim) {
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t b = 0; b < dim * int64_t(sizeof(T)); b += 64) _mm_prefetch(c + b, _mm_hint(HINT));
-}
+// A key's 16 partial sums as reduce16 takes them: as they are on AVX-512.
+using Folded = __m512;
+inline Folded fold(V16 part) { return part; }
 
 // P[k] holds key k's 16 lane partial sums; returns the 16 keys' dot products in key order,
 // each summed exactly as dot() does: lane l += lane l+8 (l < 8), then l+4, l+2, l+1. Each
 // level adds two half-vectors of two keys at once, so 16 keys cost 15 adds and 30 shuffles
 // instead of 16 separate horizontal sums.
-inline __m512 reduce16(const __m512* P) {
+inline V16 reduce16(const Folded* P) {
   __m512 X[8], Y[4], Z[2];
   for (int m = 0; m < 8; ++m)  // X[m]: keys 2m, 2m+1, 8 partials each (l + l+8)
     X[m] = _mm512_add_ps(_mm512_shuffle_f32x4(P[2 * m], P[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
@@ -236,26 +247,6 @@ inline __m512 reduce16(const __m512* P) {
   return _mm512_permutexvar_ps(order, W);
 }
 
-// Scores of one query against 16 keys kf [16][C*16] f32: dot() per key, times scale.
-template <int C>
-inline void score16(const float* q, const float* kf, float scale, float* out) {
-  __m512 qv[C], P[16];
-  for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  for (int k = 0; k < 16; ++k) {
-    __m512 part = _mm512_setzero_ps();  // dot()'s zero start (keeps the sign of a zero sum)
-    for (int c = 0; c < C; ++c) part = _mm512_add_ps(part, _mm512_mul_ps(qv[c], _mm512_loadu_ps(kf + (k * C + c) * 16)));
-    P[k] = part;
-  }
-  _mm512_storeu_ps(out, _mm512_mul_ps(reduce16(P), _mm512_set1_ps(scale)));
-}
-
-// exp(s - m) over sc [0, n rounded up to 16) in place: the last vector's extra lanes get
-// values too, which the caller overwrites.
-inline void exp_shifted(float* sc, int64_t n, float m) {
-  const __m512 mv = _mm512_set1_ps(m);
-  for (int64_t j = 0; j < n; j += 16) _mm512_storeu_ps(sc + j, overlap::fixed_exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + j), mv)));
-}
-
 // The max of sc [0, n): in 16 lanes, then across them. The same value as a scalar running
 // max (max is exact; only the sign of a zero max could differ, and s - (+0) == s - (-0) but
 // for s = 0, whose exp is 1 either way). max_ps(x, acc) keeps acc when x is NaN, as std::max
@@ -267,6 +258,112 @@ inline float max_of(const float* sc, int64_t n) {
   for (; j + 16 <= n; j += 16) mv = _mm512_max_ps(_mm512_loadu_ps(sc + j), mv);
   if (j < n) mv = _mm512_max_ps(_mm512_mask_loadu_ps(lowest, __mmask16((1u << (n - j)) - 1), sc + j), mv);
   return _mm512_reduce_max_ps(mv);
+}
+
+// Query rows per register tile of the value pass (32 zmm): NT * C accumulators + C values.
+template <int C>
+constexpr int tile_rows() { return C <= 4 ? 6 : (C == 8 ? 3 : 1); }
+
+#else  // AVX2: a V16 is two ymm registers
+
+struct V16 {
+  __m256 lo, hi;  // lanes 0-7, 8-15
+};
+inline V16 vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline V16 vsub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 vexp(V16 x) { return {overlap::fixed_exp8(x.lo), overlap::fixed_exp8(x.hi)}; }
+inline void vstore(float* p, V16 v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+
+// f16 stays on the reference loops here (F16C is not among this variant's flags; the
+// engine runs bf16 or f32).
+template <typename T>
+constexpr bool has_load16 = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+inline __m256 widen_bf16x8(const c10::BFloat16* p) {  // exact: a bf16 is an f32's high half
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline V16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V16 load16(const c10::BFloat16* p) { return {widen_bf16x8(p), widen_bf16x8(p + 8)}; }
+
+// Eight keys' 8 partial sums (Q[k] = lanes l + l+8 of key k, dot()'s first level) → their
+// dot products in key order: l + l+4 across 128-bit halves, then l + l+2 and l + l+1 by
+// in-lane shuffles, two keys per add, as reduce16 does on AVX-512.
+inline __m256 reduce8(const __m256* Q) {
+  __m256 X[4], Y[2];
+  for (int m = 0; m < 4; ++m)  // X[m]: half 0 key 2m, half 1 key 2m+1, 4 partials each
+    X[m] = _mm256_add_ps(_mm256_permute2f128_ps(Q[2 * m], Q[2 * m + 1], 0x20),
+                         _mm256_permute2f128_ps(Q[2 * m], Q[2 * m + 1], 0x31));
+  for (int m = 0; m < 2; ++m)  // Y[m]: half i holds keys 4m+i, 4m+2+i, 2 partials each
+    Y[m] = _mm256_add_ps(_mm256_shuffle_ps(X[2 * m], X[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(X[2 * m], X[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // Element e of half i: key 2e + i.
+  const __m256 Z = _mm256_add_ps(_mm256_shuffle_ps(Y[0], Y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(Y[0], Y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(Z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// A key's 16 partial sums folded to 8 by dot()'s first level (l + l+8), as soon as they are
+// complete: 16 keys then hold 16 ymm registers instead of 32.
+using Folded = __m256;
+inline Folded fold(V16 part) { return _mm256_add_ps(part.lo, part.hi); }
+
+inline V16 reduce16(const Folded* P) { return {reduce8(P), reduce8(P + 8)}; }
+
+// The max of sc [0, n): 8 lanes, across them, then the tail, all with std::max's rule
+// (max_ps(x, acc) keeps acc when x is NaN); the value of a scalar running max (see above).
+inline float max_of(const float* sc, int64_t n) {
+  __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(_mm256_loadu_ps(sc + j), mv);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, mv);
+  float m = lanes[0];
+  for (int l = 1; l < 8; ++l) m = std::max(m, lanes[l]);
+  for (; j < n; ++j) m = std::max(m, sc[j]);
+  return m;
+}
+
+// Query rows per register tile of the value pass (16 ymm): 2 * NT * C accumulators + values.
+template <int C>
+constexpr int tile_rows() { return C == 1 ? 6 : (C == 2 ? 2 : 1); }
+
+#endif  // the ISA's V16
+
+// Ask for a key or value row [dim] ahead of its use (HINT: _MM_HINT_T0 into L1, T1 into L2).
+// The pool is paged: the hardware prefetcher sees a new stream at every page, so a decode
+// step over many sequences otherwise waits on memory at each one.
+template <int HINT, typename T>
+inline void prefetch_row(const T* p, int64_t dim) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < dim * int64_t(sizeof(T)); b += 64) _mm_prefetch(c + b, _mm_hint(HINT));
+}
+
+// Scores of one query against 16 keys kf [16][C*16] f32: dot() per key, times scale.
+template <int C>
+inline void score16(const float* q, const float* kf, float scale, float* out) {
+  V16 qv[C];
+  Folded P[16];
+  for (int c = 0; c < C; ++c) qv[c] = load16(q + 16 * c);
+  for (int k = 0; k < 16; ++k) {
+    V16 part = vzero();  // dot()'s zero start (keeps the sign of a zero sum)
+    for (int c = 0; c < C; ++c) part = vadd(part, vmul(qv[c], load16(kf + (k * C + c) * 16)));
+    P[k] = fold(part);
+  }
+  vstore(out, vmul(reduce16(P), vset1(scale)));
+}
+
+// exp(s - m) over sc [0, n rounded up to 16) in place: the last vector's extra lanes get
+// values too, which the caller overwrites.
+inline void exp_shifted(float* sc, int64_t n, float m) {
+  const V16 mv = vset1(m);
+  for (int64_t j = 0; j < n; j += 16) vstore(sc + j, vexp(vsub(load16(sc + j), mv)));
 }
 
 // Softmax weights of a query of block row ii over its scores sc [stride] in place: the max
@@ -292,36 +389,32 @@ inline void softmax_row(const Block& blk, int64_t ii, float* sc, int64_t stride)
 // weights' sum in the same order, accumulated in registers; then out = acc / sum.
 template <typename T, int C, int NT>
 void weigh_values(const Inputs<T>& in, const Block& blk, const float* scores, int64_t stride, int64_t q0) {
-  __m512 acc[NT][C];
+  V16 acc[NT][C];
   float total[NT];
   for (int t = 0; t < NT; ++t) {
     total[t] = 0.f;
-    for (int c = 0; c < C; ++c) acc[t][c] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[t][c] = vzero();
   }
   const float* p = scores + q0 * stride;
   for (int64_t j = 0; j < blk.span; ++j) {
     const T* v = value(in, blk, j);
-    __m512 vj[C];
+    V16 vj[C];
     for (int c = 0; c < C; ++c) vj[c] = load16(v + 16 * c);
     for (int t = 0; t < NT; ++t) {
       const float pj = p[t * stride + j];
       total[t] += pj;
-      const __m512 pb = _mm512_set1_ps(pj);
-      for (int c = 0; c < C; ++c) acc[t][c] = _mm512_add_ps(acc[t][c], _mm512_mul_ps(pb, vj[c]));
+      const V16 pb = vset1(pj);
+      for (int c = 0; c < C; ++c) acc[t][c] = vadd(acc[t][c], vmul(pb, vj[c]));
     }
   }
   for (int t = 0; t < NT; ++t) {
-    alignas(64) float a[C * 16];
-    const __m512 inv = _mm512_set1_ps(1.f / total[t]);
-    for (int c = 0; c < C; ++c) _mm512_store_ps(a + 16 * c, _mm512_mul_ps(acc[t][c], inv));
+    float a[C * 16];
+    const V16 inv = vset1(1.f / total[t]);
+    for (int c = 0; c < C; ++c) vstore(a + 16 * c, vmul(acc[t][c], inv));
     T* o = output(in, blk, q0 + t);
     for (int d = 0; d < C * 16; ++d) o[d] = T(a[d]);
   }
 }
-
-// Query tile for the value pass: as many rows as keep NT * C accumulators in registers.
-template <int C>
-constexpr int tile_rows() { return C <= 4 ? 6 : (C == 8 ? 3 : 1); }
 
 template <typename T, int C, int NT = tile_rows<C>()>
 void weigh_values_tail(const Inputs<T>& in, const Block& blk, const float* scores, int64_t stride, int64_t q0, int64_t n) {
@@ -332,14 +425,14 @@ void weigh_values_tail(const Inputs<T>& in, const Block& blk, const float* score
 }
 
 template <typename T, int C>
-void attend_avx512(const Inputs<T>& in, const Block& blk, Scratch& s) {
+void attend_vector(const Inputs<T>& in, const Block& blk, Scratch& s) {
   constexpr int64_t dim = C * 16;
   const int64_t nq = blk.rows * in.group(), span = blk.span, stride = (span + 15) / 16 * 16;
   s.qf.resize(nq * dim);
   s.kf.resize(16 * dim);
   s.scores.resize(nq * stride);
   for (int64_t n = 0; n < nq; ++n)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(s.qf.data() + n * dim + 16 * c, load16(query(in, blk, n) + 16 * c));
+    for (int c = 0; c < C; ++c) vstore(s.qf.data() + n * dim + 16 * c, load16(query(in, blk, n) + 16 * c));
   // 1. scores, 16 keys at a time: each key widened once for the block (past span: zeros,
   //    whose scores softmax_row discards).
   for (int64_t j0 = 0; j0 < span; j0 += 16) {
@@ -347,7 +440,7 @@ void attend_avx512(const Inputs<T>& in, const Block& blk, Scratch& s) {
     for (int64_t k = 0; k < keys; ++k) {
       if (j0 + 16 + k < span) prefetch_row<_MM_HINT_T0>(key(in, blk, j0 + 16 + k), dim);  // the next block's keys
       prefetch_row<_MM_HINT_T1>(value(in, blk, j0 + k), dim);  // this block's values, for step 3
-      for (int c = 0; c < C; ++c) _mm512_storeu_ps(s.kf.data() + k * dim + 16 * c, load16(key(in, blk, j0 + k) + 16 * c));
+      for (int c = 0; c < C; ++c) vstore(s.kf.data() + k * dim + 16 * c, load16(key(in, blk, j0 + k) + 16 * c));
     }
     std::fill(s.kf.begin() + keys * dim, s.kf.end(), 0.f);
     for (int64_t n = 0; n < nq; ++n) score16<C>(s.qf.data() + n * dim, s.kf.data(), in.scale, s.scores.data() + n * stride + j0);
@@ -360,30 +453,32 @@ void attend_avx512(const Inputs<T>& in, const Block& blk, Scratch& s) {
     weigh_values_tail<T, C>(in, blk, s.scores.data(), stride, q0, std::min<int64_t>(NT, nq - q0));
 }
 
-#endif  // OVERLAP_VARIANT >= 1
+#endif  // OVERLAP_VARIANT >= 0
 
 // The task function for this call: the vector path when this variant, dtype and head_dim
-// have one, else the reference loops (the same bits either way).
+// have one (and the caller did not ask for the loops), else the reference loops: the same
+// bits either way.
 template <typename T>
-auto choose_attend(int64_t dim) -> void (*)(const Inputs<T>&, const Block&, Scratch&) {
-#if OVERLAP_VARIANT >= 1
+auto choose_attend(int64_t dim, bool reference) -> void (*)(const Inputs<T>&, const Block&, Scratch&) {
+#if OVERLAP_VARIANT >= 0
   if constexpr (has_load16<T>) {
-    switch (dim) {
-      case 16: return attend_avx512<T, 1>;
-      case 32: return attend_avx512<T, 2>;
-      case 64: return attend_avx512<T, 4>;
-      case 128: return attend_avx512<T, 8>;
-      case 256: return attend_avx512<T, 16>;
+    if (!reference) switch (dim) {
+      case 16: return attend_vector<T, 1>;
+      case 32: return attend_vector<T, 2>;
+      case 64: return attend_vector<T, 4>;
+      case 128: return attend_vector<T, 8>;
+      case 256: return attend_vector<T, 16>;
       default: break;
     }
   }
 #endif
   (void)dim;
+  (void)reference;
   return attend_reference<T>;
 }
 
 template <typename T>
-void run(const Inputs<T>& in, int64_t num_seqs, int64_t rows_per_task) {
+void run(const Inputs<T>& in, int64_t num_seqs, int64_t rows_per_task, bool reference) {
   // Tasks: (sequence, kv head, block of query rows). The rows of a block share each key and
   // value load; the split never changes a row's own arithmetic.
   std::vector<int64_t> task_seq, task_row;
@@ -393,7 +488,7 @@ void run(const Inputs<T>& in, int64_t num_seqs, int64_t rows_per_task) {
       task_row.push_back(r);
     }
   const int64_t tasks = int64_t(task_seq.size()) * in.kv_heads;
-  const auto attend = choose_attend<T>(in.dim);
+  const auto attend = choose_attend<T>(in.dim, reference);
   overlap::parallel_for(tasks, 2, [&](int64_t t0, int64_t t1) {
     Scratch scratch;
     Block blk;
@@ -408,11 +503,12 @@ void run(const Inputs<T>& in, int64_t num_seqs, int64_t rows_per_task) {
 
 // q [T, H, D]; k_cache, v_cache [slots, Hkv, D] (the flat paged pool); per sequence b:
 // q_start, q_len, kv_len [B] i32, page_table [B, max_pages] i32; tree [T, Qmax] bool or an
-// empty tensor (causal): row t's visibility of its own sequence's new tokens.
+// empty tensor (causal): row t's visibility of its own sequence's new tokens. reference: run
+// the plain loops (the definition) instead of the vector path, for tests.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor q_start, torch::Tensor q_len, torch::Tensor kv_len,
                               torch::Tensor page_table, int64_t page_size, torch::Tensor tree,
-                              double scale) {
+                              double scale, bool reference) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && q.size(2) == k_cache.size(2),
               "paged_attention: q [T, H, D] and caches [slots, Hkv, D]");
   TORCH_CHECK(q.size(2) <= MAX_DIM, "paged_attention: head_dim > ", MAX_DIM);
@@ -433,7 +529,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
                               kv_len.data_ptr<int32_t>(), page_table.data_ptr<int32_t>(), page_table.size(1),
                               page_size, has_tree ? tree.data_ptr<bool>() : nullptr, has_tree ? tree.size(1) : 0,
                               heads, kv_heads, dim, float(scale)};
-    run<scalar_t>(in, q_start.size(0), rows_per_task);
+    run<scalar_t>(in, q_start.size(0), rows_per_task, reference);
   });
   return out;
 }

@@ -11,7 +11,7 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor q_start, torch::Tensor q_len, torch::Tensor kv_len,
                               torch::Tensor page_table, int64_t page_size, torch::Tensor tree,
-                              double scale);
+                              double scale, bool reference);
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
@@ -25,7 +25,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_int8", &pack_int8, "an int8 weight [N, K] in the int8 kernel's packed layout");
   m.def("linear_int8", &linear_int8, "weight-only int8 linear for drafters (linear_int8.cpp)");
   m.def("variant", &variant, "the ISA variant this build was compiled for");
-  m.def("paged_attention", &paged_attention, "batch-invariant paged attention (attention.cpp)");
+  m.def("paged_attention", &paged_attention, "batch-invariant paged attention (attention.cpp)",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("q_start"),
+        pybind11::arg("q_len"), pybind11::arg("kv_len"), pybind11::arg("page_table"), pybind11::arg("page_size"),
+        pybind11::arg("tree"), pybind11::arg("scale"), pybind11::arg("reference") = false);
   m.def("rms_norm", &rms_norm, "fused bf16 RMSNorm (layer_ops.cpp)");
   m.def("silu_mul", &silu_mul, "SwiGLU: silu(gate) * up (layer_ops.cpp)");
   m.def("rotary_", &rotary_, "rotary embedding in place on q and k heads (layer_ops.cpp)");

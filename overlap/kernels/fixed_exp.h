@@ -10,7 +10,7 @@
 
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -52,6 +52,25 @@ inline __m512 fixed_exp16(__m512 x) {
     p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
   const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+#if defined(__AVX2__)
+// fixed_exp16 on 8 lanes (AVX2 + FMA builds, whose compiler flags forbid contraction, so
+// mul then add as written): the same operations, the same bits, lane by lane.
+inline __m256 fixed_exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
+  x = _mm256_min_ps(_mm256_set1_ps(88.0f), x);
+  const __m256 n = _mm256_round_ps(
+      _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f)));
+  r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(1.428606765330187e-06f)));
+  __m256 p = _mm256_set1_ps(1.3888889e-3f);
+  for (const float c : {8.3333338e-3f, 4.1666668e-2f, 1.6666667e-1f, 0.5f, 1.0f, 1.0f})
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 #endif
 

@@ -119,10 +119,10 @@ def test_cpu_kernel_rows_do_not_depend_on_the_batch(dtype):
                            together[1 + i])
 
 
-def _kernel_outputs(path: str) -> None:
-    """Run the cpu kernel on fixed random cases (bf16/f16/f32, head_dim 16/32/64, causal and
-    tree rows, ragged) and save the outputs: the subprocess half of the test below."""
-    b, outs = CpuBackend(), []
+def _kernel_cases():
+    """Fixed random cases for the cpu kernel (bf16/f16/f32, head_dim 16/32/64, causal and tree
+    rows, ragged): (q, pool, plan) each."""
+    b = CpuBackend()
     for seed, (hkv, d, dtype) in enumerate([(2, 16, torch.bfloat16), (3, 64, torch.bfloat16),
                                             (3, 64, torch.float16), (2, 32, torch.float32)]):
         torch.manual_seed(seed)
@@ -135,15 +135,32 @@ def _kernel_outputs(path: str) -> None:
         free = torch.randperm(60).tolist()
         attn = [SeqAttention(n, c + n, [free.pop() for _ in range(-(-(c + n) // page))], t) for c, n, t in seqs]
         q = (torch.randn(sum(n for _, n, _ in seqs), heads, d) * 3).to(dtype)
-        outs.append(b.run(0, q, pool, b.plan(attn, page)))
-    torch.save(outs, path)
+        yield q, pool, b.plan(attn, page)
+
+
+def _kernel_outputs(path: str) -> None:
+    """The cpu backend's outputs on _kernel_cases, saved: the subprocess half of the test below."""
+    torch.save([CpuBackend().run(0, q, pool, meta) for q, pool, meta in _kernel_cases()], path)
+
+
+def test_vector_path_equals_reference_loops():
+    """attention.cpp's vector path (AVX2 and AVX-512 variants) computes the reference loops'
+    arithmetic in another arrangement: the same bits, on whatever this machine runs."""
+    import math
+
+    from overlap.kernels import paged_attention
+    for q, pool, m in _kernel_cases():
+        k, v = pool.flat(0)
+        args = (q, k, v, m.q_start, m.q_len, m.kv_len, m.page_table, m.page_size, m.tree, 1.0 / math.sqrt(q.shape[-1]))
+        vector, loops = paged_attention(*args), paged_attention(*args, reference=True)
+        assert torch.isfinite(vector.float()).all()
+        assert torch.equal(vector, loops)
 
 
 @pytest.mark.slow
-def test_vector_path_equals_reference_loops(tmp_path):
-    """attention.cpp's AVX-512 path (variants avx512/avx512bf16/amx) computes the reference
-    loops' arithmetic in another arrangement: the same bits as the AVX2 variant, which runs
-    the loops."""
+def test_vector_paths_agree_across_variants(tmp_path):
+    """The AVX-512 variants' vector path and the AVX2 variant's (16 lanes as two halves, its
+    own lane-sum tree) give the same bits, each in a process of its own."""
     import os
     import subprocess
     import sys
@@ -153,13 +170,13 @@ def test_vector_path_equals_reference_loops(tmp_path):
         pytest.skip("needs a CPU (and ISA cap) that runs the AVX-512 kernels and can run AVX2 ones")
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); " \
            "import test_cpu_backends as t; t._kernel_outputs(sys.argv[1])"
-    for name, cap in (("vector", os.environ.get("ONEDNN_MAX_CPU_ISA")), ("loops", "AVX2")):
+    for name, cap in (("avx512", os.environ.get("ONEDNN_MAX_CPU_ISA")), ("avx2", "AVX2")):
         env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
-        if cap:  # the caller's cap (or none) for the vector path, AVX2 for the loops
+        if cap:  # the caller's cap (or none) for the AVX-512 path, AVX2 for the other
             env["ONEDNN_MAX_CPU_ISA"] = cap
         subprocess.run([sys.executable, "-c", code, str(tmp_path / name)], env=env, check=True, timeout=900)
-    for vector, loops in zip(torch.load(tmp_path / "vector"), torch.load(tmp_path / "loops")):
-        assert torch.equal(vector, loops)
+    for wide, narrow in zip(torch.load(tmp_path / "avx512"), torch.load(tmp_path / "avx2")):
+        assert torch.equal(wide, narrow)
 
 
 def test_cpu_plan_fields_on_random_batches():
