@@ -14,10 +14,10 @@
 // 1-row decode: extra rows cost compute, not bandwidth.
 //
 // The widening variants (AVX512F, AVX2, scalar: no bf16 dot product) turn each bf16 weight
-// into f32 before its FMA. With more rows than one tile, a column block is widened once into
-// a per-thread f32 copy and x once into f32 rows, and every row tile reads those: the
-// conversions are paid once per block instead of once per tile, and wider tiles fit (the
-// weight vectors no longer need conversion registers). Widening bf16 to f32 is exact, so the
+// into f32 before its FMA, and read x as f32 rows converted once per call. With more rows
+// than a few tiles, a column block is also widened once into a per-thread f32 copy, and every
+// row tile reads it: the conversions are paid once per block instead of once per tile, and
+// wider tiles fit (the weight vectors no longer need conversion registers). Widening bf16 to f32 is exact, so the
 // FMA sequence of each output, and its bits, are those of the direct path.
 //
 // One source, compiled per ISA variant (OVERLAP_VARIANT): 3 = AMX-BF16 tiles (Sapphire
@@ -248,15 +248,18 @@ void run(const bf16* x, int64_t xk, const bf16* packed, int64_t kp, const float*
          int64_t m, int64_t n) {
   const int64_t blocks = (n + NB - 1) / NB;
 #if OVERLAP_VARIANT <= 1
-  // Widening a block costs about one direct tile's conversions and x is widened whole, so
-  // the widened path pays from a few tiles on (measured on an AVX-512 Xeon: 0.6-0.7x the
-  // speed at 5-8 rows, 1.0-1.2x at 16, 1.3-2.5x at 64-2048).
+  // x once into f32 rows (exact), for both paths below: a tile then broadcasts each x[k] with
+  // one load instead of a scalar bf16 -> f32 conversion per row and k, which cost more than
+  // the FMAs it fed (AVX2 on a Zen 3, 30 layers + lm_head: 1 row 25-26 -> 19-20 ms, 5 rows
+  // 40-43 -> 30-34, 9 rows 45-65 -> 40-44). The buffer is the thread's own and kept between
+  // calls (a fresh multi-MB buffer per call costs its page faults every time).
+  float* xf = scratch(0, m * xk);
+  for (int64_t i = 0; i < m * xk; ++i) xf[i] = float(x[i]);
+  // Widening a block costs about one direct tile's conversions, so the widened path pays from
+  // a few tiles on (measured on an AVX-512 Xeon: 0.6-0.7x the speed at 5-8 rows, 1.0-1.2x at
+  // 16, 1.3-2.5x at 64-2048).
   if (m >= 3 * ROWS) {
-    // The widened path: x once into f32 rows here, each block once into f32 by its thread.
-    // Both buffers are the thread's own and kept between calls (a fresh multi-MB buffer per
-    // call costs its page faults every time).
-    float* xf = scratch(0, m * xk);
-    for (int64_t i = 0; i < m * xk; ++i) xf[i] = float(x[i]);
+    // The widened path: each block once into f32 by its thread (its own kept buffer too).
     overlap::parallel_for(blocks, 2, [&](int64_t b0, int64_t b1) {
       float* wf = scratch(1, kp * NB);
       for (int64_t b = b0; b < b1; ++b) {
@@ -267,17 +270,11 @@ void run(const bf16* x, int64_t xk, const bf16* packed, int64_t kp, const float*
     });
     return;
   }
-#endif
-#if OVERLAP_VARIANT <= 1
-  // The direct path of the widening variants: x once into f32 rows (exact), so a tile
-  // broadcasts each x[k] with one load instead of a scalar bf16 -> f32 conversion per row and
-  // k, which cost more than the FMAs it fed (AVX2 on a Zen 3, 30 layers + lm_head: 1 row
-  // 25-26 -> 19-20 ms, 5 rows 40-43 -> 30-34, 9 rows 45-65 -> 40-44). Same FMAs, same bits.
-  float* xf = scratch(0, m * xk);
-  for (int64_t i = 0; i < m * xk; ++i) xf[i] = float(x[i]);
+  // The direct path: each bf16 weight widened inside the tile. Threads split column blocks
+  // only, never k: no split can change a reduction order.
   overlap::parallel_for(blocks, 2, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
-      rows_of_block<ROWS>(static_cast<const float*>(xf), xk, packed + b * kp * NB, kp, bias, y, m, n, b * NB);
+      rows_of_block<ROWS>(xf, xk, packed + b * kp * NB, kp, bias, y, m, n, b * NB);
   });
 #else
   // Threads split column blocks only, never k: no split can change a reduction order.
