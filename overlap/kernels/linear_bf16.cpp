@@ -44,15 +44,13 @@
 namespace {
 
 using bf16 = c10::BFloat16;
-constexpr int ROWS = 4;  // rows of x per register tile
-
 #if OVERLAP_VARIANT == 3
 // AMX: the packed layout of variant 2 ([N/NB][K/2][NB][2], the VNNI pairs a B tile reads),
 // K padded to whole 32-element A tiles.
 constexpr int VEC = 16, VECS = 4, KSTEP = 32;
 #elif OVERLAP_VARIANT == 2
 // Packed [N/NB][K/2][NB][2]: a k pair of NB outputs is one 64-byte vector per 16 outputs.
-constexpr int VEC = 16, VECS = 4, KSTEP = 2;
+constexpr int VEC = 16, VECS = 4, KSTEP = 2, ROWS = 4;  // ROWS: rows of x per register tile
 using Acc = __m512;
 inline Acc zero() { return _mm512_setzero_ps(); }
 inline __m512i load_w(const bf16* p) { return _mm512_loadu_si512(p); }
@@ -65,7 +63,7 @@ inline Acc madd(Acc acc, __m512i x, __m512i w) { return _mm512_dpbf16_ps(acc, (_
 inline void store(float* out, Acc a) { _mm512_storeu_ps(out, a); }
 #elif OVERLAP_VARIANT == 1
 // Packed [N/NB][K][NB]: 16 bf16 outputs of one k, widened to f32 (an exact shift).
-constexpr int VEC = 16, VECS = 4, KSTEP = 1;
+constexpr int VEC = 16, VECS = 4, KSTEP = 1, ROWS = 4;
 using Acc = __m512;
 inline Acc zero() { return _mm512_setzero_ps(); }
 inline __m512 load_w(const bf16* p) { return overlap::widen_bf16x16(p); }
@@ -73,18 +71,22 @@ inline __m512 bcast_x(const bf16* x) { return _mm512_set1_ps(float(*x)); }
 inline Acc madd(Acc acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
 inline void store(float* out, Acc a) { _mm512_storeu_ps(out, a); }
 #elif OVERLAP_VARIANT == 0
-constexpr int VEC = 8, VECS = 2, KSTEP = 1;  // 16 ymm registers: 8 accumulators + 2 weights + x
+// 16 ymm registers: 6 rows x 2 accumulators + 2 weights + x. Six rows rather than four: a
+// 4-row tile's 8 accumulators just cover the FMA latency (4 cycles x 2 units) and any stall
+// shows, and 5-6 row verifies then take one tile (Zen 3, 30 layers + lm_head: 5 rows 24 ->
+// 18 ms, 9 rows 34 -> 25 with a 1-row pass at 16).
+constexpr int VEC = 8, VECS = 2, KSTEP = 1, ROWS = 6;
 using Acc = __m256;
 inline Acc zero() { return _mm256_setzero_ps(); }
 inline __m256 load_w(const bf16* p) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
-inline __m256 bcast_x(const bf16* x) { return _mm256_set1_ps(float(*x)); }
+inline __m256 bcast_x(const float* x) { return _mm256_set1_ps(*x); }  // x as f32 rows (run)
 inline Acc madd(Acc acc, __m256 x, __m256 w) { return _mm256_fmadd_ps(x, w, acc); }
 inline void store(float* out, Acc a) { _mm256_storeu_ps(out, a); }
 #else
-constexpr int VEC = 8, VECS = 2, KSTEP = 1;
+constexpr int VEC = 8, VECS = 2, KSTEP = 1, ROWS = 4;
 struct Acc { float v[VEC]; };
 inline Acc zero() { return Acc{}; }
 inline const bf16* load_w(const bf16* p) { return p; }
@@ -104,11 +106,6 @@ inline __m512 load_w(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 bcast_x(const float* x) { return _mm512_set1_ps(*x); }
 inline void widen(const bf16* w, float* out) { _mm512_storeu_ps(out, load_w(w)); }
 constexpr int WIDE_ROWS = 6;  // 24 accumulators + 4 weights + x in the 32 zmm registers
-#elif OVERLAP_VARIANT == 0
-inline __m256 load_w(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 bcast_x(const float* x) { return _mm256_set1_ps(*x); }
-inline void widen(const bf16* w, float* out) { _mm256_storeu_ps(out, load_w(w)); }
-constexpr int WIDE_ROWS = 6;  // 12 accumulators + 2 weights + x in the 16 ymm registers
 #elif OVERLAP_VARIANT == -1
 inline const float* load_w(const float* p) { return p; }
 inline float bcast_x(const float* x) { return *x; }
@@ -126,12 +123,13 @@ inline int64_t padded_k(int64_t k) { return (k + KSTEP - 1) / KSTEP * KSTEP; }
 #include "tile_sums.h"
 
 // Rows r0..r0+R of x against column block b (tile_sums.h), then the bias and the rounding.
-// X, W: bf16 (the direct path) or f32 (the widened one); the same FMAs either way.
+// X, W: bf16 (the direct path) or f32 (the widened one); the same FMAs either way. `ahead`:
+// a packed block to prefetch meanwhile (tile_sums.h).
 template <int R, typename X, typename W, typename Out>
 inline void tile(const X* x, int64_t xk, const W* block, int64_t kp, const float* bias,
-                 Out* y, int64_t n, int64_t r0, int64_t c0) {
+                 Out* y, int64_t n, int64_t r0, int64_t c0, const bf16* ahead = nullptr) {
   float sums[R][NB];
-  tile_sums<R>(x, xk, block, kp, r0, sums);
+  tile_sums<R, X, W, bf16>(x, xk, block, kp, r0, sums, ahead);
   const int64_t cols = std::min<int64_t>(NB, n - c0);
   for (int r = 0; r < R; ++r)
     for (int64_t c = 0; c < cols; ++c) {
@@ -227,19 +225,40 @@ inline float* scratch(int slot, int64_t size) {
   return buffers[slot].data();
 }
 
-// Every row of x against one column block, R rows a tile (the last tile takes the rest).
+// Rows r0..r0+rows (1 <= rows <= R) against one column block: the row count as a template
+// argument, so a tile's accumulators are registers, not an array.
+template <int R, typename X, typename W, typename Out>
+inline void tile_of(int rows, const X* x, int64_t xk, const W* block, int64_t kp, const float* bias,
+                    Out* y, int64_t n, int64_t r0, int64_t c0, const bf16* ahead = nullptr) {
+  switch (rows) {
+    case 6: if constexpr (R >= 6) tile<6>(x, xk, block, kp, bias, y, n, r0, c0, ahead); break;
+    case 5: if constexpr (R >= 5) tile<5>(x, xk, block, kp, bias, y, n, r0, c0, ahead); break;
+    case 4: if constexpr (R >= 4) tile<4>(x, xk, block, kp, bias, y, n, r0, c0, ahead); break;
+    case 3: tile<3>(x, xk, block, kp, bias, y, n, r0, c0, ahead); break;
+    case 2: tile<2>(x, xk, block, kp, bias, y, n, r0, c0, ahead); break;
+    default: tile<1>(x, xk, block, kp, bias, y, n, r0, c0, ahead); break;
+  }
+}
+
+// Every row of x against one column block, in as few tiles of at most R rows as will do, their
+// sizes as even as they go (9 rows at R = 6: 5 + 4, not 6 + 3; at R = 4: 3 + 3 + 3, not
+// 4 + 4 + 1). Why even: a tile walks the whole block whatever its rows, and with few rows its
+// accumulators leave the FMA units waiting on each other's latency, so a 1-row tail tile costs
+// about what a full one does. The split changes no output's FMA sequence.
+//
+// The last tile prefetches `next`, the following packed block: the first tile streams its
+// block from memory, but the others (and the widened path's tiles) read it from cache, and
+// the memory bus would idle under them (Zen 3, 30 layers + lm_head, each row count timed
+// with and without, interleaved: 5-15% less at 1-12 rows).
 template <int R, typename X, typename W, typename Out>
 inline void rows_of_block(const X* x, int64_t xk, const W* block, int64_t kp, const float* bias,
-                          Out* y, int64_t m, int64_t n, int64_t c0) {
-  int64_t r = 0;
-  for (; r + R <= m; r += R) tile<R>(x, xk, block, kp, bias, y, n, r, c0);
-  switch (m - r) {  // the tile sizes are template arguments: registers, not arrays
-    case 5: if constexpr (R > 5) tile<5>(x, xk, block, kp, bias, y, n, r, c0); break;
-    case 4: if constexpr (R > 4) tile<4>(x, xk, block, kp, bias, y, n, r, c0); break;
-    case 3: tile<3>(x, xk, block, kp, bias, y, n, r, c0); break;
-    case 2: tile<2>(x, xk, block, kp, bias, y, n, r, c0); break;
-    case 1: tile<1>(x, xk, block, kp, bias, y, n, r, c0); break;
-    default: break;
+                          Out* y, int64_t m, int64_t n, int64_t c0, const bf16* next) {
+  const int64_t tiles = (m + R - 1) / R, base = m / tiles, longer = m % tiles;
+  for (int64_t t = 0, r = 0; t < tiles; ++t) {
+    const int rows = int(base + (t < longer));
+    const bf16* ahead = t == tiles - 1 ? next : nullptr;
+    tile_of<R>(rows, x, xk, block, kp, bias, y, n, r, c0, ahead);
+    r += rows;
   }
 }
 
@@ -247,6 +266,8 @@ template <typename Out>
 void run(const bf16* x, int64_t xk, const bf16* packed, int64_t kp, const float* bias, Out* y,
          int64_t m, int64_t n) {
   const int64_t blocks = (n + NB - 1) / NB;
+  const bf16* end = packed + blocks * kp * NB;  // the block after the last: none to prefetch
+  auto next_of = [&](const bf16* block) { return block + kp * NB < end ? block + kp * NB : nullptr; };
 #if OVERLAP_VARIANT <= 1
   // x once into f32 rows (exact), for both paths below: a tile then broadcasts each x[k] with
   // one load instead of a scalar bf16 -> f32 conversion per row and k, which cost more than
@@ -255,9 +276,12 @@ void run(const bf16* x, int64_t xk, const bf16* packed, int64_t kp, const float*
   // calls (a fresh multi-MB buffer per call costs its page faults every time).
   float* xf = scratch(0, m * xk);
   for (int64_t i = 0; i < m * xk; ++i) xf[i] = float(x[i]);
+#if OVERLAP_VARIANT != 0
   // Widening a block costs about one direct tile's conversions, so the widened path pays from
   // a few tiles on (measured on an AVX-512 Xeon: 0.6-0.7x the speed at 5-8 rows, 1.0-1.2x at
-  // 16, 1.3-2.5x at 64-2048).
+  // 16, 1.3-2.5x at 64-2048). Not on AVX2, where the 6-row direct tiles measured as fast or
+  // faster at every row count (Zen 3, 30 layers + lm_head, widened vs direct: 12 rows 26.6 vs
+  // 20.6 ms, 32: 74 vs 64, 128: 224 vs 224, 256: 443 vs 452; whole steps at batch 8 alike).
   if (m >= 3 * ROWS) {
     // The widened path: each block once into f32 by its thread (its own kept buffer too).
     overlap::parallel_for(blocks, 2, [&](int64_t b0, int64_t b1) {
@@ -265,22 +289,27 @@ void run(const bf16* x, int64_t xk, const bf16* packed, int64_t kp, const float*
       for (int64_t b = b0; b < b1; ++b) {
         const bf16* block = packed + b * kp * NB;
         for (int64_t i = 0; i < kp * NB; i += VEC) widen(block + i, wf + i);
-        rows_of_block<WIDE_ROWS>(xf, xk, wf, kp, bias, y, m, n, b * NB);
+        rows_of_block<WIDE_ROWS>(xf, xk, wf, kp, bias, y, m, n, b * NB, next_of(block));
       }
     });
     return;
   }
+#endif
   // The direct path: each bf16 weight widened inside the tile. Threads split column blocks
   // only, never k: no split can change a reduction order.
   overlap::parallel_for(blocks, 2, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      rows_of_block<ROWS>(xf, xk, packed + b * kp * NB, kp, bias, y, m, n, b * NB);
+    for (int64_t b = b0; b < b1; ++b) {
+      const bf16* block = packed + b * kp * NB;
+      rows_of_block<ROWS>(xf, xk, block, kp, bias, y, m, n, b * NB, next_of(block));
+    }
   });
 #else
   // Threads split column blocks only, never k: no split can change a reduction order.
   overlap::parallel_for(blocks, 2, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      rows_of_block<ROWS>(x, xk, packed + b * kp * NB, kp, bias, y, m, n, b * NB);
+    for (int64_t b = b0; b < b1; ++b) {
+      const bf16* block = packed + b * kp * NB;
+      rows_of_block<ROWS>(x, xk, block, kp, bias, y, m, n, b * NB, next_of(block));
+    }
   });
 #endif
 }
