@@ -247,14 +247,20 @@ def calibrate(model: LlamaModel, config: EngineConfig, context: int = 128,
 
 def _cache_path(config: EngineConfig, model_cfg) -> Path:
     """Keyed by what a step's cost depends on: the architecture (not the weights), dtype,
-    kernels, backend, threads and the machine."""
+    kernels, backend, threads and the machine. The kernels by their build (sources' hash), not
+    only their variant: a kernel change moves the curve (session 18's matmul tiles took a 4-row
+    step from 1.49 to 1.13 plain steps), and a curve cached before it made the controller
+    draft short or not at all."""
     import hashlib
     import json
+
+    from overlap.kernels import build_name
 
     key = json.dumps([model_cfg.hidden_size, model_cfg.num_layers, model_cfg.vocab_size,
                       model_cfg.intermediate_size, model_cfg.num_heads, model_cfg.num_kv_heads,
                       config.dtype, config.device, config.matmul, config.attention_backend,
-                      config.cache.page_size, sorted(machine().items()), CALIBRATION_VERSION], default=str)
+                      config.cache.page_size, sorted(machine().items()), build_name(),
+                      CALIBRATION_VERSION], default=str)
     name = hashlib.sha1(key.encode()).hexdigest()[:16]
     return Path.home() / ".cache" / "overlap" / "step_costs" / f"{name}.json"
 

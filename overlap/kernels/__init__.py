@@ -73,6 +73,13 @@ def _sources_digest() -> str:
     return digest.hexdigest()[:10]
 
 
+def build_name() -> str:
+    """This machine's kernel build: the variant and the sources' hash (what a cached
+    measurement of step costs depends on, beside the machine)."""
+    variant = choose_variant(cpu_flags(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
+    return f"{VARIANTS[variant][0]}_{_sources_digest()}"
+
+
 @functools.cache
 def _library():
     from torch.utils import cpp_extension
@@ -81,7 +88,7 @@ def _library():
     name, flags, _ = VARIANTS[variant]
     # The sources' hash in the module name: two checkouts with different kernels (a branch, a
     # worktree, an upgrade) each keep their own build instead of rebuilding over each other.
-    module = f"overlap_kernels_{name}_{_sources_digest()}"
+    module = f"overlap_kernels_{build_name()}"
     build_dir = Path(cpp_extension._get_build_directory(module, False))
     with _exclusive_build(build_dir):
         if not (build_dir / f"{module}.so").exists():

@@ -253,6 +253,7 @@ inline void tile_of(int rows, const X* x, int64_t xk, const W* block, int64_t kp
 template <int R, typename X, typename W, typename Out>
 inline void rows_of_block(const X* x, int64_t xk, const W* block, int64_t kp, const float* bias,
                           Out* y, int64_t m, int64_t n, int64_t c0, const bf16* next) {
+  if (m <= 0) return;  // no rows (a pass with no logits to compute): no tiles to divide them into
   const int64_t tiles = (m + R - 1) / R, base = m / tiles, longer = m % tiles;
   for (int64_t t = 0, r = 0; t < tiles; ++t) {
     const int rows = int(base + (t < longer));

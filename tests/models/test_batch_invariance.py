@@ -7,7 +7,7 @@ import torch
 from helpers import hf_model, our_model, tiny_hf_config
 from overlap.attention import ReferenceBackend, SeqAttention
 from overlap.attention.cpu import CpuBackend
-from overlap.kernels import linear_bf16
+from overlap.kernels import linear_bf16, linear_int8
 from overlap.models.llama import linear
 
 PAGE = 4
@@ -30,6 +30,16 @@ def test_linear_rows_do_not_depend_on_batch(shape):
     # A row's result does not depend on what the other rows hold either.
     shuffled = torch.cat([torch.randn(7, k, generator=gen).to(torch.bfloat16), x[:5]])
     assert torch.equal(linear(shuffled, w, bias)[7:], alone[:5])
+
+
+@pytest.mark.parametrize("kernel", [linear_bf16, linear_int8], ids=["bf16", "int8"])
+def test_linear_of_no_rows_is_empty(kernel):
+    """A pass with no rows to compute (e.g. no logits wanted this step) gets an empty result,
+    not a crash (a division by the tile count once killed the process with SIGFPE)."""
+    w = (torch.randn(48, 64) * 0.05).to(torch.bfloat16)
+    for out_float in (False, True):
+        y = kernel(torch.empty(0, 64, dtype=torch.bfloat16), w, out_float=out_float)
+        assert y.shape == (0, 48) and y.dtype == (torch.float32 if out_float else torch.bfloat16)
 
 
 def test_linear_sums_match_float32():

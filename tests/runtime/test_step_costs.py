@@ -66,3 +66,28 @@ def test_spread_shares_rows_as_evenly_as_they_go():
     for total in range(1, 70):
         rows = spread(total, min(total, 8))
         assert sum(rows) == total and max(rows) - min(rows) <= 1
+
+
+def test_a_kernel_change_measures_the_curve_again(monkeypatch, tmp_path):
+    """The cached curve belongs to one kernel build: after a kernel change the controller does
+    not plan with the old build's costs (here, with no model at hand, it falls back to the
+    documented default instead of reading the stale cache)."""
+    from types import SimpleNamespace
+
+    import overlap.kernels
+    from overlap.config import EngineConfig
+    from runtime import step_costs
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    arch = SimpleNamespace(hidden_size=64, num_layers=2, vocab_size=256, intermediate_size=128,
+                           num_heads=4, num_kv_heads=2)
+    config = EngineConfig()
+    cached = step_costs._cache_path(config, arch)
+    cached.parent.mkdir(parents=True)
+    cached.write_text(json.dumps({"points": {"1": 10.0, "4": 99.0}}))
+
+    assert step_costs.controller_cost_model(config, model_cfg=arch).ms == [10.0, 99.0]
+    monkeypatch.setattr(overlap.kernels, "_sources_digest", lambda: "another-build")
+    assert step_costs._cache_path(config, arch) != cached
+    model = step_costs.controller_cost_model(config, model_cfg=arch)
+    assert model.rows == sorted(step_costs.DEFAULT_CURVE)
