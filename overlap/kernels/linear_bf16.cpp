@@ -50,7 +50,14 @@ using bf16 = c10::BFloat16;
 constexpr int VEC = 16, VECS = 4, KSTEP = 32;
 #elif OVERLAP_VARIANT == 2
 // Packed [N/NB][K/2][NB][2]: a k pair of NB outputs is one 64-byte vector per 16 outputs.
-constexpr int VEC = 16, VECS = 4, KSTEP = 2, ROWS = 4;  // ROWS: rows of x per register tile
+// ROWS: rows of x per register tile. Six (24 accumulators + 4 weights + x of the 32 zmm
+// registers), not four: a 5-6 row verify (mtp:4-5, a chain and a short lookup branch) then
+// walks each block once instead of twice, and the second walk did not hide under the weight
+// stream (Zen 5, 30 layers + lm_head, interleaved: 5 rows 7.8 -> 5.2 ms, 6 rows 7.0 -> 5.4,
+// 1 row 5.1 -> 4.8; 7-16 rows alike; bits equal on 200 outputs). Halving the block's columns
+// so 7-12 rows fit one tile per half was slower (7 rows 8.7 -> 10.3 ms): the half-lines break
+// the stream.
+constexpr int VEC = 16, VECS = 4, KSTEP = 2, ROWS = 6;
 using Acc = __m512;
 inline Acc zero() { return _mm512_setzero_ps(); }
 inline __m512i load_w(const bf16* p) { return _mm512_loadu_si512(p); }
