@@ -206,8 +206,9 @@ class HttpClient:
     users reach it: one streamed POST /v1/completions per request (the prompt as token ids,
     `return_token_ids` for exact counts), each read on a thread of its own; the deltas meet in
     one queue that step() drains. `spec_on` False asks for `"speculation": {"mode": "none"}`.
-    With `scrape_s`, a thread also GETs /metrics every `scrape_s` seconds while requests run
-    (the metrics-overhead comparison). `stats_from`: the daemon's ZeroMQ address, for the
+    With `scrape_s`, a thread also GETs /metrics as a run's first request goes out and then
+    every `scrape_s` seconds while requests run (the metrics-overhead comparison); counters()
+    waits for the scrape a run asked for, so even a run shorter than `scrape_s` counts one. `stats_from`: the daemon's ZeroMQ address, for the
     counters (device timing, prefix cache) the HTTP API does not carry."""
 
     def __init__(self, url: str, spec_on: bool, token: str | None = None, scrape_s: float | None = None,
@@ -222,6 +223,8 @@ class HttpClient:
         self.events: queue.Queue = queue.Queue()
         self.finished: dict[str, dict] = {}
         self.scrapes = 0
+        self._scrape_asked = self._scrape_done = 0  # runs that asked for a first scrape / got it
+        self._scrape_turn = threading.Condition()
         self._stop = threading.Event()
         self._streams: set[threading.Thread] = set()
         self._zmq = None
@@ -248,6 +251,10 @@ class HttpClient:
 
     def add(self, prompt_ids: list[int], params: SamplingParams) -> str:
         request_id = f"http-{uuid.uuid4().hex}"
+        if self._scraper is not None and not self._streams:  # a run starts: scrape now, not a period later
+            with self._scrape_turn:
+                self._scrape_asked += 1
+                self._scrape_turn.notify_all()
         thread = threading.Thread(target=self._stream, args=(request_id, self._body(prompt_ids, params)), daemon=True)
         self._streams.add(thread)
         thread.start()
@@ -286,14 +293,27 @@ class HttpClient:
         return items
 
     def _scrape_every(self, period_s: float) -> None:
-        while not self._stop.wait(period_s):
-            self.http.get("/metrics").raise_for_status()
-            self.scrapes += 1
+        while not self._stop.is_set():
+            with self._scrape_turn:  # sleep a period, or less when a run starts
+                self._scrape_turn.wait_for(lambda: self._scrape_asked > self._scrape_done or self._stop.is_set(),
+                                           timeout=period_s)
+                asked, idle = self._scrape_asked, not self._streams and asked == self._scrape_done
+            if self._stop.is_set():
+                return
+            if not idle:
+                self.http.get("/metrics").raise_for_status()
+                self.scrapes += 1
+            with self._scrape_turn:
+                self._scrape_done = asked
+                self._scrape_turn.notify_all()
 
     def stats(self, request_id: str) -> dict | None:
         return self.finished.pop(request_id, None)
 
     def counters(self) -> dict:
+        if self._scraper is not None:
+            with self._scrape_turn:
+                self._scrape_turn.wait_for(lambda: self._scrape_done >= self._scrape_asked, timeout=self.timeout)
         return {**(self._zmq.stats() if self._zmq else {}), "metrics_scrapes": self.scrapes}
 
     def close(self) -> None:
@@ -301,6 +321,8 @@ class HttpClient:
         # server, close() returns within the client's timeout however many streams were open.
         deadline = time.monotonic() + self.timeout
         self._stop.set()
+        with self._scrape_turn:
+            self._scrape_turn.notify_all()
         if self._scraper is not None:  # a scrape in flight ends before its client is closed
             self._scraper.join(timeout=self.timeout)
         self.http.close()  # streams still in flight (only after an error) end here...
