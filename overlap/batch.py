@@ -23,6 +23,7 @@ class SeqWork(msgspec.Struct, array_like=True, frozen=True):
     seed: int = 0  # every request has one; noise is keyed by (seed, position), see sampling.py
     num_spec_tokens: int = 0  # drafts to propose this step (0: no speculation this step)
     draft: bool = False  # the sequence speculates: the drafter must follow its tokens
+    lookup_rows: int = 0  # rows reserved beyond the drafts for a lookup branch (lookup_branch.py)
 
     @property
     def end_pos(self) -> int:

@@ -105,6 +105,10 @@ class SpecConfig:
     drafter_weights: str = "auto"  # auto | bf16 | int8
     ngram_min: int = 1
     ngram_max: int = 3
+    # mtp / eagle: up to this many tokens of prompt lookup (ngram_min..ngram_max suffix match)
+    # verified beside the head's drafts as one more branch of the step's tree (0: none;
+    # overlap/speculative/lookup_branch.py). Outputs do not change.
+    lookup_branch: int = 0
     # on: a cost-model controller chooses each sequence's drafts (or tree) per step, never
     # more than its cap (overlap/speculative/controller.py); off: every step verifies the cap.
     controller: str = "on"  # on | off

@@ -432,7 +432,7 @@ class Executor:
             raise RuntimeError(f"the drafter proposed {proposal.tokens.shape[1]} drafts per row; "
                                f"the step was prepared for {step.width}")
         ids = step.input_ids
-        if layout.tokens is None:
+        if layout.tokens is None or layout.device_fills:
             ids = ids.clone()
             ids[index["draft_rows"]] = proposal.tokens.view(-1)[index["padded_draft"]]
         # Stage 3: one target pass over every row (q_len = k+1 per chain, N+1 per tree).
@@ -536,9 +536,13 @@ class Executor:
         """Hand the proposer the step's facts; it feeds its drafter the tokens it has not seen
         (prompt chunks, produced tokens) by its own rule, on the forward stream."""
         layout = work.prepared.layout
-        if layout is None or layout.catches_up_in_launch:
-            return  # no drafter, or it caught up inside the launch
+        if layout is None:
+            return  # no drafter
         row_starts = work.prepared.row_starts
+        # On the host, before the next step is planned (the launch's hidden states are not read here).
+        self.proposer.observe(FinishedStep(plan.seqs, output.seqs, row_starts))
+        if layout.catches_up_in_launch:
+            return  # it caught up inside the launch
         # `work.hidden` exists once the launch has run: read it from the stream (a host
         # drafter keeps none).
         self._on_drafter_stream(lambda: self.proposer.catch_up(

@@ -288,6 +288,9 @@ class LeaderProposer:
     def after_verify(self, verified) -> None:
         self.inner.after_verify(verified)
 
+    def observe(self, finished) -> None:
+        self.inner.observe(finished)
+
     def catch_up(self, finished) -> None:
         self.inner.catch_up(finished)
 
@@ -319,6 +322,9 @@ class FollowerProposer:
         return type(proposal)(proposal.tokens.to(device), probs)
 
     def after_verify(self, verified) -> None:
+        pass
+
+    def observe(self, finished) -> None:
         pass
 
     def catch_up(self, finished) -> None:

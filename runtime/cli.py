@@ -62,6 +62,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"overlap: error: {message} (see `{self.prog} --help`)\n")
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -121,6 +131,12 @@ def _add_engine_options(p: argparse.ArgumentParser, bench: bool = False) -> None
                         "output row; steps read half the bytes; CPU only). The target stays bf16: outputs "
                         "do not change (default: auto = int8 for a bf16 target on an AVX2-or-better CPU, else bf16)"
                         + ("; bench: give both to run each drafting mode with each" if bench else ""))
+    g.add_argument("--lookup-branch", type=_non_negative_int, nargs="+" if bench else None, metavar="L",
+                   help="--spec mtp/eagle: verify up to L tokens of prompt lookup (the continuation of the "
+                        "context's last n-gram where it occurred before) beside the head's drafts, as one more "
+                        "branch of the step's tree; pays where the text copies (code: arguments, repeated "
+                        "lines). Outputs do not change (default 0: off)"
+                        + ("; bench: give several to run each head mode with each" if bench else ""))
     g.add_argument("--tree", choices=("static", "dynamic"),
                    help="--spec eagle: a fixed tree shape, or EAGLE-2's dynamic one (default: static)")
     g.add_argument("--speculation-controller", choices=("on", "off"), nargs="+" if bench else None,
@@ -310,6 +326,7 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
             draft_vocab=args.draft_vocab,
             tree=args.tree, controller=_one(getattr(args, "speculation_controller", None)),
             drafter_weights=_one(getattr(args, "drafter_weights", None)),
+            lookup_branch=_one(getattr(args, "lookup_branch", None)),
             step_costs=getattr(args, "cost_curve", None))),
     )
     if config.spec.method == "eagle" and args.num_spec_tokens is not None:
@@ -319,6 +336,10 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
     if config.spec.draft_vocab and (config.spec.draft_vocab < 0 or config.spec.method in ("draft", "ngram")):
         raise ValueError(f"--draft-vocab {config.spec.draft_vocab}: give a positive N, with --spec mtp or eagle "
                          "(the draft model carries its own trimmed vocabulary)")
+    if config.spec.lookup_branch and config.spec.method not in ("mtp", "eagle") and \
+            not isinstance(getattr(args, "lookup_branch", None), list):
+        raise ValueError(f"--lookup-branch {config.spec.lookup_branch}: the branch is verified beside an MTP "
+                         f"head's drafts: give --spec mtp or eagle (--spec {config.spec.method} has none)")
     bench_sweep = isinstance(getattr(args, "drafter_weights", None), list)  # bench: per drafting mode
     if config.spec.drafter_weights == "int8" and config.spec.method in ("none", "ngram") and not bench_sweep:
         raise ValueError(f"--drafter-weights int8: --spec {config.spec.method} has no drafter weights "
@@ -640,16 +661,20 @@ def _bench_variants(args: argparse.Namespace) -> list:
                 config = dataclasses.replace(config, spec=dataclasses.replace(config.spec, num_spec_tokens=int(k)))
             controllers = list(dict.fromkeys(args.speculation_controller or [config.spec.controller]))
             weights = list(dict.fromkeys(args.drafter_weights or [config.spec.drafter_weights]))
-            drafts = method in ("draft", "mtp", "eagle")
-            for ctl, wts in itertools.product(controllers if method != "none" else [config.spec.controller],
-                                              weights if drafts else [SpecConfig().drafter_weights]):
+            lookups = list(dict.fromkeys(args.lookup_branch or [config.spec.lookup_branch]))
+            drafts, heads = method in ("draft", "mtp", "eagle"), method in ("mtp", "eagle")
+            for ctl, wts, lookup in itertools.product(
+                    controllers if method != "none" else [config.spec.controller],
+                    weights if drafts else [SpecConfig().drafter_weights], lookups if heads else [0]):
                 label = mode
                 if len(controllers) > 1 and method != "none":
                     label += f" controller={ctl}"
                 if len(weights) > 1 and drafts:
                     label += f" {wts}"
-                variants.append(Variant(label, dataclasses.replace(
-                    config, spec=dataclasses.replace(config.spec, controller=ctl, drafter_weights=wts))))
+                if lookup and heads:
+                    label += f" lookup={lookup}"
+                variants.append(Variant(label, dataclasses.replace(config, spec=dataclasses.replace(
+                    config.spec, controller=ctl, drafter_weights=wts, lookup_branch=lookup))))
                 if method == "none" and args.aa:
                     # The same engine twice: what "1.00x" looks like on this machine today.
                     variants.append(Variant("none A/A", variants[-1].config))

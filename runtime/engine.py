@@ -24,7 +24,7 @@ from runtime.messages import RequestError, SamplingParams
 from runtime.pages import PageAllocator
 from runtime.prefix_cache import build_prefix_cache
 from runtime.results import Result
-from runtime.scheduler import Scheduler, SeqUpdate, tree_arguments
+from runtime.scheduler import Scheduler, SeqUpdate, spec_arguments
 from runtime.step_costs import build_controller
 
 
@@ -89,7 +89,7 @@ class Engine:
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=self.max_model_len)
         self.controller = self._controller or build_controller(config, model, self._cost_model)
         self.scheduler = Scheduler(sched_cfg, self.allocator, self._eos_ids(), self.controller,
-                                   **tree_arguments(config.spec),
+                                   **spec_arguments(config.spec),
                                    prefix_cache=build_prefix_cache(config, self.allocator))
         self.requests: dict[str, _Request] = {}
         self._seeds = random.Random()

@@ -65,25 +65,29 @@ class SeqUpdate:
     spec_k: int | None = None  # drafts (or tree nodes) the step verified; None: not a speculating decode
 
 
-def tree_arguments(spec) -> dict:
-    """The Scheduler's tree_depth and tree_chains for a SpecConfig (the engine's scheduler and
-    the server's build theirs alike): EAGLE's trees, with chains along a fixed tree's top path."""
+def spec_arguments(spec) -> dict:
+    """The Scheduler's tree_depth, tree_chains and lookup_branch for a SpecConfig (the engine's
+    scheduler and the server's build theirs alike): EAGLE's trees, with chains along a fixed
+    tree's top path; the rows of a head drafter's lookup branch (lookup_branch.py)."""
     eagle = spec.method == "eagle"
-    return {"tree_depth": spec.tree_depth if eagle else 0, "tree_chains": eagle and spec.tree == "static"}
+    return {"tree_depth": spec.tree_depth if eagle else 0, "tree_chains": eagle and spec.tree == "static",
+            "lookup_branch": spec.lookup_branch if spec.method in ("mtp", "eagle") else 0}
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator,
                  eos_token_ids: tuple[int, ...] = (), controller: SpeculationController | None = None,
                  tree_depth: int = 0, clock=time.perf_counter, prefix_cache: PrefixCache | None = None,
-                 tree_chains: bool = False):
+                 tree_chains: bool = False, lookup_branch: int = 0):
         """controller: chooses each speculating decode's drafts per step (None: every one
         verifies its cap). tree_depth: EAGLE, a sequence's num_spec_tokens is a tree of that
         depth, not a chain; tree_chains: its drafter also grows chains of 1..tree_depth drafts
         along the tree's top path (EAGLE's fixed shape), which the controller may choose
-        instead of the tree. prefix_cache: full pages shared across requests
-        (runtime/prefix_cache.py; None: off)."""
+        instead of the tree. lookup_branch: rows reserved per drafting step, beyond its drafts,
+        for the drafter's lookup branch (SeqWork.lookup_rows). prefix_cache: full pages shared
+        across requests (runtime/prefix_cache.py; None: off)."""
         self.config = config
+        self.lookup_branch = lookup_branch
         self.controller = controller
         self.tree_depth = tree_depth
         self.tree_chains = tree_chains
@@ -206,9 +210,11 @@ class Scheduler:
         # Speculate only once the drafter has followed the sequence: a cache hit can leave a
         # single token for the first step, and the drafter has carried nothing for it yet.
         spec = self._num_drafts(seq) if (remaining == 1 and seq.num_computed > seq.num_reused) else 0
-        # Room for: this step's tokens, the drafts being verified, and the drafter's
-        # catch-up run over the token this step produces.
-        need = seq.num_computed + n + spec + (1 if seq.num_spec_tokens else 0)
+        # A lookup branch beside the drafts: as many rows as the room allows, like the drafts.
+        lookup = min(self.lookup_branch, self._room(seq) - 1) if spec else 0
+        # Room for: this step's tokens, the drafts being verified (and the branch), and the
+        # drafter's catch-up run over the token this step produces.
+        need = seq.num_computed + n + spec + lookup + (1 if seq.num_spec_tokens else 0)
         while not self.allocator.can_grow(seq.pages, need):
             victim = self.running[-1] if self.running else None
             if not preempt or victim is None:
@@ -229,6 +235,7 @@ class Scheduler:
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=seq.seed,
             num_spec_tokens=spec,
             draft=seq.num_spec_tokens > 0,
+            lookup_rows=lookup,
         )
 
     def _reuse_cached_prefix(self, seq: Sequence) -> None:
@@ -244,10 +251,13 @@ class Scheduler:
         seq.num_computed = seq.num_reused = 0
         seq.cached = CacheChain()
 
+    def _room(self, seq: Sequence) -> int:
+        """Tokens the sequence may still produce: before max_tokens and the context end."""
+        return min(seq.params.max_tokens - seq.num_output, self.config.max_model_len - len(seq.tokens))
+
     def _num_drafts(self, seq: Sequence) -> int:
         """Drafts for a decode step: never past max_tokens or the context (a step emits k+1)."""
-        room = min(seq.params.max_tokens - seq.num_output, self.config.max_model_len - len(seq.tokens))
-        return max(0, min(seq.num_spec_tokens, room - 1))
+        return max(0, min(seq.num_spec_tokens, self._room(seq) - 1))
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop the KV, keep the tokens, go to the front of the queue."""

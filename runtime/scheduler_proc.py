@@ -29,7 +29,7 @@ from runtime.prefix_cache import build_prefix_cache
 from runtime.procs import ServeSpec, become_child, report_fatal, report_ready
 from overlap.config import ModelConfig
 from overlap.models.loading import read_model_config
-from runtime.scheduler import Scheduler, tree_arguments
+from runtime.scheduler import Scheduler, spec_arguments
 from runtime.step_costs import build_controller
 
 stats_log = logging.getLogger("overlap.stats")
@@ -84,7 +84,7 @@ class SchedulerService:
         model_cfg = ModelConfig.from_hf(read_model_config(spec.model_dir)) if config.spec.method != "none" else None
         controller = build_controller(config, model_cfg=model_cfg)
         self.scheduler = Scheduler(sched_cfg, self.allocator, spec.eos_token_ids, controller,
-                                   **tree_arguments(config.spec),
+                                   **spec_arguments(config.spec),
                                    prefix_cache=build_prefix_cache(config, self.allocator))
         self.max_waiting = spec.max_waiting
         self.send_to_executor = send_to_executor

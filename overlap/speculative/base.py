@@ -15,6 +15,9 @@ The executor calls, per step (docs/architecture.md §3 has the four stages):
   after_verify(verified)                          on the forward stream, right behind
         verification, only when the layout says `catches_up_in_launch` (MTP k = 1): the
         drafter catches up without a host sync; `catch_up` is then not called for the step.
+  observe(finished)                               on the host, right after the step's sync and
+        before the next step is planned: what the step produced (finished.hidden is None).
+        A proposer that plans from the tokens on the host (a lookup branch) keeps them here.
   catch_up(finished)                              after the step's sync: the same facts for
         every proposer (the step's sequences, what each produced, its rows, the kept hidden
         states); the proposer picks the tokens it has not seen by its own rule and feeds them
@@ -67,6 +70,10 @@ class DraftLayout:
     tokens: list[list[int]] | None = None
     keep_hidden: bool = False  # keep the target's hidden states of the step for catch_up
     catches_up_in_launch: bool = False  # after_verify catches up inside the launch, not catch_up
+    # `tokens` holds only some drafts (a lookup branch beside the head's, lookup_branch.py),
+    # -1 where propose() fills them in on the device: its proposal is written into the verify
+    # rows as for device drafts.
+    device_fills: bool = False
 
     @classmethod
     def chains(cls, ks: list[int], width: int | None = None, tokens: list[list[int]] | None = None,
@@ -148,6 +155,8 @@ class Proposer(Protocol):
     def propose(self, request: DraftRequest) -> Proposal: ...
 
     def after_verify(self, verified: Verified) -> None: ...
+
+    def observe(self, finished: FinishedStep) -> None: ...
 
     def catch_up(self, finished: FinishedStep) -> None: ...
 

@@ -16,6 +16,7 @@ from overlap.models.llama import LlamaModel
 from overlap.speculative.base import Proposer
 from overlap.speculative.draft_target import DraftTargetProposer, load_draft
 from overlap.speculative.eagle import DynamicEagleProposer, EagleProposer
+from overlap.speculative.lookup_branch import LookupBranch
 from overlap.speculative.mtp import MTPProposer
 from overlap.speculative.ngram import NgramProposer
 from overlap.speculative.tree import TreeShape
@@ -43,6 +44,9 @@ def drafter_matmul(config: EngineConfig, model: LlamaModel) -> str | None:
 
 def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | None = None) -> Proposer | None:
     spec = config.spec
+    if spec.lookup_branch < 0 or (spec.lookup_branch and spec.method not in ("mtp", "eagle")):
+        raise ValueError(f"spec.lookup_branch {spec.lookup_branch}: a lookup branch is verified beside an MTP "
+                         f"head's drafts (mtp or eagle), not with {spec.method!r}; 0 turns it off")
     if spec.method == "none":
         return None
     if spec.method == "ngram":
@@ -54,19 +58,27 @@ def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | 
         return DraftTargetProposer(draft, make_backend(config.attention_backend, config.device),
                                    config.cache.num_pages, config.cache.page_size, scratch_page)
     if spec.method in ("mtp", "eagle"):
-        if not spec.head:
-            raise ValueError(f"spec method {spec.method!r} needs spec.head (an MTP head directory)")
-        head = load_head(spec.head, model, draft_vocab=spec.draft_vocab, matmul=drafter_matmul(config, model) or "exact")
-        # A multi-layer (EAGLE-3) head reads several target layers: the target's forward returns
-        # them from the same pass (no extra pass, no host copy), in place of its final hidden.
-        model.feature_layers = head.feature_layers
-        backend = make_backend(config.attention_backend, config.device)
-        pages = (config.cache.num_pages, config.cache.page_size)
-        if spec.method == "mtp":
-            return MTPProposer(head, backend, *pages, scratch_page)
-        if spec.tree == "dynamic":
-            return DynamicEagleProposer(head, backend, *pages, spec.tree_depth, spec.tree_topk, spec.tree_tokens,
-                                        scratch_page)
-        shape = TreeShape.default(spec.tree_depth, spec.tree_topk, spec.tree_tokens)
-        return EagleProposer(head, backend, *pages, shape, scratch_page)
+        proposer = _head_proposer(config, model, scratch_page)
+        if spec.lookup_branch:
+            return LookupBranch(proposer, spec.lookup_branch, spec.ngram_min, spec.ngram_max)
+        return proposer
     raise ValueError(f"unknown spec method {spec.method!r} (none | draft | ngram | mtp | eagle)")
+
+
+def _head_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | None) -> Proposer:
+    spec = config.spec
+    if not spec.head:
+        raise ValueError(f"spec method {spec.method!r} needs spec.head (an MTP head directory)")
+    head = load_head(spec.head, model, draft_vocab=spec.draft_vocab, matmul=drafter_matmul(config, model) or "exact")
+    # A multi-layer (EAGLE-3) head reads several target layers: the target's forward returns
+    # them from the same pass (no extra pass, no host copy), in place of its final hidden.
+    model.feature_layers = head.feature_layers
+    backend = make_backend(config.attention_backend, config.device)
+    pages = (config.cache.num_pages, config.cache.page_size)
+    if spec.method == "mtp":
+        return MTPProposer(head, backend, *pages, scratch_page)
+    if spec.tree == "dynamic":
+        return DynamicEagleProposer(head, backend, *pages, spec.tree_depth, spec.tree_topk, spec.tree_tokens,
+                                    scratch_page)
+    shape = TreeShape.default(spec.tree_depth, spec.tree_topk, spec.tree_tokens)
+    return EagleProposer(head, backend, *pages, shape, scratch_page)

@@ -123,6 +123,9 @@ class DraftTargetProposer:
     def after_verify(self, verified: Verified) -> None:
         pass  # never asked for: the draft catches up after the sync
 
+    def observe(self, finished: FinishedStep) -> None:
+        pass  # the draft's tokens come with its catch-up, on the stream
+
     def catch_up(self, finished: FinishedStep) -> None:
         self.feed(unseen_tokens(finished))
 

@@ -55,6 +55,9 @@ class HeadProposer:
 
     # -- after the step: the head's rows over what the target computed --------------------
 
+    def observe(self, finished: FinishedStep) -> None:
+        pass  # what the head needs (the target's states) is read on the stream, in catch_up
+
     def catch_up(self, finished: FinishedStep) -> None:
         """Every verified row of the step, re-run with the target's hidden states of the step
         (the layout kept them: keep_hidden)."""

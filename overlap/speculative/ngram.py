@@ -55,6 +55,9 @@ class NgramProposer:
     def after_verify(self, verified: Verified) -> None:
         pass  # never asked for: the history catches up after the sync
 
+    def observe(self, finished: FinishedStep) -> None:
+        pass  # catch_up runs on the host too (state_on_host), at once
+
     def catch_up(self, finished: FinishedStep) -> None:
         # Every token from the step's first on, accepted drafts included: unlike a draft
         # model, nothing ran the drafts through this history while proposing.

@@ -115,6 +115,8 @@ def test_generate_chat_and_stop(capsys):
     (["bench", "--prompts", "PROMPTS", "--spec", "none", "draft", "--model", "/some/other/model"],
      "--spec draft needs --draft-model for a non-default model"),
     (["generate", "x", "--spec", "draft", "--draft-model", "/nonexistent/draft"], "/nonexistent/draft"),
+    (["generate", "x", "--spec", "ngram", "--lookup-branch", "4"], "--lookup-branch 4: the branch is verified beside"),
+    (["generate", "x", "--spec", "mtp", "--lookup-branch", "-1"], "--lookup-branch"),
     ([], "COMMAND"),
 ])
 def test_bad_arguments_exit_2(argv, needle, prompts_file, capsys):
@@ -254,6 +256,17 @@ def test_bench_runs_each_speculative_mode_with_the_controller_on_and_off(prompts
     assert [(v.label, v.config.spec.controller) for v in seen] == [
         ("none", "on"), ("ngram controller=on", "on"), ("ngram controller=off", "off")]
     assert all(v.config.spec.step_costs == str(curve) for v in seen)
+
+
+def test_bench_runs_each_head_mode_with_each_lookup_branch(prompts_file, monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "run_bench", lambda variants, *a, **kw: seen.extend(variants) or {})
+    monkeypatch.setattr(bench, "format_report", lambda report: "")
+    assert cli.main(["bench", "--prompts", str(prompts_file), "--spec", "none", "ngram", "mtp:3",
+                     "--lookup-branch", "0", "4"]) == 0
+    # Only the head drafters take a branch: none and ngram run once, without one.
+    assert [(v.label, v.config.spec.lookup_branch) for v in seen] == [
+        ("none", 0), ("ngram", 0), ("mtp:3", 0), ("mtp:3 lookup=4", 4)]
 
 
 def test_generate_takes_the_controller_switch():

@@ -248,10 +248,14 @@ def test_a_request_is_admitted_detached_where_its_batch_rules_drafts_out():
 
 def test_the_engine_and_the_server_offer_eagle_chains_alike():
     from overlap.config import SpecConfig
-    from runtime.scheduler import tree_arguments
+    from runtime.scheduler import spec_arguments
 
-    assert tree_arguments(SpecConfig(method="eagle")) == {"tree_depth": 3, "tree_chains": True}
-    assert tree_arguments(SpecConfig(method="eagle", tree="dynamic")) == {"tree_depth": 3, "tree_chains": False}
-    assert tree_arguments(SpecConfig(method="mtp")) == {"tree_depth": 0, "tree_chains": False}
+    assert spec_arguments(SpecConfig(method="eagle")) == {"tree_depth": 3, "tree_chains": True, "lookup_branch": 0}
+    assert spec_arguments(SpecConfig(method="eagle", tree="dynamic")) == {
+        "tree_depth": 3, "tree_chains": False, "lookup_branch": 0}
+    assert spec_arguments(SpecConfig(method="mtp", lookup_branch=4)) == {
+        "tree_depth": 0, "tree_chains": False, "lookup_branch": 4}
+    # Only the head drafters take a branch (the draft model's catch-up trusts its own drafts' KV).
+    assert spec_arguments(SpecConfig(method="draft", lookup_branch=4))["lookup_branch"] == 0
     for module in ("runtime/engine.py", "runtime/scheduler_proc.py"):  # both build their Scheduler with it
-        assert "**tree_arguments(config.spec)" in open(module).read()
+        assert "**spec_arguments(config.spec)" in open(module).read()

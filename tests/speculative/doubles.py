@@ -235,6 +235,9 @@ class OracleProposer:
     def after_verify(self, verified) -> None:
         raise AssertionError("the layout never asks for a catch-up inside the launch")
 
+    def observe(self, finished) -> None:
+        pass
+
     def catch_up(self, finished) -> None:
         for s, out, _ in finished.followed():
             hist = self.history.setdefault(s.seq_id, [])

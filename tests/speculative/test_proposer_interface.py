@@ -38,8 +38,8 @@ def test_the_double_uses_only_the_interface():
     """What the executor may call on a proposer is the Protocol's, and the double has no more
     public members than those (plus its own bookkeeping, read by these tests only)."""
     interface = {n for n in vars(Proposer) if not n.startswith("_")} | set(Proposer.__annotations__)
-    assert interface == {"name", "state_on_host", "plan", "propose", "after_verify", "catch_up", "release",
-                         "graph_runners"}
+    assert interface == {"name", "state_on_host", "plan", "propose", "after_verify", "observe", "catch_up",
+                         "release", "graph_runners"}
     public = {n for n, _ in inspect.getmembers(OracleProposer) if not n.startswith("_")}
     assert public <= interface, public - interface
 

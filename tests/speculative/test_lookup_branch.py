@@ -1,0 +1,138 @@
+"""A lookup branch beside the head's drafts (overlap/speculative/lookup_branch.py): greedy
+exactness for MTP chains (k = 1 no-sync and k = 3) and EAGLE trees (static, dynamic) at
+several batch and page sizes, under preemption and chunked prefill, near max_tokens; more
+tokens accepted where the text repeats; the target distribution kept under sampling
+(chi-square) with branches verified in the checked steps; clear errors for drafters without
+a head."""
+
+import pytest
+
+from overlap.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from overlap.speculative.build import build_proposer
+from overlap.speculative.lookup_branch import BranchedLayout, LookupBranch
+from runtime.engine import Engine
+from runtime.messages import SamplingParams
+from speculative.doubles import patch_verifier
+from speculative.engine_stats import check_engine_law, exact_law, sample
+from speculative.markov import law_rejected
+from speculative.test_spec_engine import prompts
+
+# (method, k or tree, ...): the head drafters a branch rides with
+MODES = {"mtp1": dict(method="mtp", num_spec_tokens=1),
+         "mtp3": dict(method="mtp", num_spec_tokens=3),
+         "eagle": dict(method="eagle", tree_depth=3, tree_topk=2, tree_tokens=6),
+         "eagle-dynamic": dict(method="eagle", tree="dynamic", tree_depth=3, tree_topk=2, tree_tokens=6)}
+
+
+def engine(tiny_dirs, heads, mode, lookup=4, target="target", page_size=16, num_pages=512, **sched):
+    spec = SpecConfig(controller="off", head=str(heads[target]), lookup_branch=lookup, **MODES[mode])
+    return Engine(EngineConfig(model=str(tiny_dirs[target]), spec=spec,
+                               cache=CacheConfig(page_size=page_size, num_pages=num_pages),
+                               scheduler=SchedulerConfig(**{"max_num_seqs": 64, "max_batched_tokens": 512,
+                                                            **sched})),
+                  progress=False)
+
+
+def count_branches(eng) -> list[int]:
+    """Records, per planned step, the branch rows it verifies (0: the head's step unchanged)."""
+    proposer = eng.executor.proposer
+    assert isinstance(proposer, LookupBranch)
+    rows, plan = [], proposer.plan
+
+    def counting(batch, sampled, ks, wait):
+        layout = plan(batch, sampled, ks, wait)
+        rows.append(sum(layout.num_drafts) - sum(layout.inner.num_drafts)
+                    if isinstance(layout, BranchedLayout) else 0)
+        return layout
+    proposer.plan = counting
+    return rows
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("batch,page_size", [(1, 16), (4, 4), pytest.param(16, 16, marks=pytest.mark.slow)])
+def test_greedy_with_a_lookup_branch_equals_plain(tiny_dirs, heads, greedy_reference, mode, batch, page_size):
+    ps = prompts(batch, seed=120 + batch)
+    eng = engine(tiny_dirs, heads, mode, page_size=page_size, num_pages=2048 // page_size)
+    branches = count_branches(eng)
+    results = eng.generate(ps, SamplingParams(max_tokens=32, ignore_eos=True))
+    assert [r.token_ids for r in results] == greedy_reference(ps, 32)
+    assert sum(branches) > 0, "no step verified a branch"
+    assert eng.stats()["free_pages"] == eng.stats()["total_pages"]
+
+
+@pytest.mark.parametrize("mode", ["mtp1", "mtp3", "eagle"])
+def test_greedy_with_a_lookup_branch_under_preemption_and_chunked_prefill(tiny_dirs, heads, greedy_reference, mode):
+    ps = [p * 3 for p in prompts(8, seed=131)]  # several prefill chunks each
+    eng = engine(tiny_dirs, heads, mode, page_size=4, num_pages=48, max_batched_tokens=32)
+    branches = count_branches(eng)
+    results = eng.generate(ps, SamplingParams(max_tokens=30, ignore_eos=True))
+    assert eng.scheduler.num_preemptions > 0
+    assert sum(branches) > 0
+    assert [r.token_ids for r in results] == greedy_reference(ps, 30)
+
+
+@pytest.mark.parametrize("max_tokens", [9, 12, 17])
+def test_a_branch_never_runs_past_max_tokens(tiny_dirs, heads, greedy_reference, max_tokens):
+    """The scheduler reserves branch rows within the room left (a step emits at most its
+    accepted rows + 1): long branches on repetitive prompts stop at max_tokens exactly, and
+    steps near the end verify branches cut to the room."""
+    ps = [[7, 8, 9] * 6, [5, 6] * 9, [11] * 12, prompts(1, seed=3)[0] * 2]
+    eng = engine(tiny_dirs, heads, "mtp3", lookup=6)
+    branches = count_branches(eng)
+    reserved = []
+    plan = eng.executor.proposer.plan
+
+    def recording(batch, sampled, ks, wait):
+        reserved.extend(s.lookup_rows for s, k in zip(sampled, ks) if k)
+        return plan(batch, sampled, ks, wait)
+    eng.executor.proposer.plan = recording
+    results = eng.generate(ps, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    assert [r.token_ids for r in results] == greedy_reference(ps, max_tokens)
+    assert all(len(r.token_ids) == max_tokens for r in results)
+    assert sum(branches) > 0
+    assert 6 in reserved and min(reserved) < 6, reserved  # full rows early, cut ones near the end
+    assert eng.stats()["free_pages"] == eng.stats()["total_pages"]
+
+
+def test_the_branch_accepts_more_where_the_text_repeats(tiny_dirs, heads, greedy_reference):
+    """The random head is rarely right; the tiny target repeats itself, and the copy is: the
+    same requests accept more tokens a step with the branch than without."""
+    ps = [[7, 8, 9, 10] * 5, [21, 22] * 8, prompts(1, seed=3)[0] * 2]
+    accepted = {}
+    for lookup in (0, 4):
+        eng = engine(tiny_dirs, heads, "mtp3", lookup=lookup)
+        results = eng.generate(ps, SamplingParams(max_tokens=40, ignore_eos=True))
+        assert [r.token_ids for r in results] == greedy_reference(ps, 40)
+        accepted[lookup] = sum(r.stats.get("accepted_tokens", 0) for r in results)
+    assert accepted[4] > accepted[0] + 10, accepted
+
+
+@pytest.mark.parametrize("mode", ["mtp1", "mtp3", "eagle"])
+def test_sampling_with_a_lookup_branch_keeps_the_target_distribution(tiny_dirs, heads, mode):
+    """The first 5 tokens against their exact law (vocab 6: the prompt's own tokens recur, so
+    the first decode steps verify branches; the counter says they did)."""
+    eng = engine(tiny_dirs, heads, mode, lookup=3, target="target_v6", max_num_seqs=1000,
+                 max_batched_tokens=8192, num_pages=4096)
+    branches = count_branches(eng)
+    check_engine_law(eng, SamplingParams(temperature=1.0), 4000, length=5, depth=0)
+    assert sum(branches) > 1000, sum(branches)
+
+
+def test_the_law_test_rejects_a_broken_verifier_of_branched_steps(tiny_dirs, heads, monkeypatch):
+    """Power: the same sample size and test reject branched MTP steps verified with a tree walk
+    that tests the head's children against p instead of the residual once the branch failed."""
+    eng = engine(tiny_dirs, heads, "mtp3", lookup=3, target="target_v6", max_num_seqs=1000,
+                 max_batched_tokens=8192, num_pages=4096)
+    patch_verifier(monkeypatch, "no_residual")
+    params = SamplingParams(temperature=1.0)
+    tokens, _ = sample(eng, params, 4000, 5, seed0=1000)
+    rejected, pvalues = law_rejected(tokens, exact_law(eng, params, 5))
+    assert rejected, pvalues
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram", "none"])
+def test_a_branch_needs_a_head_drafter(tiny_dirs, method):
+    spec = SpecConfig(method=method, lookup_branch=4, draft_model=str(tiny_dirs["draft"]) if method == "draft" else None)
+    eng_config = EngineConfig(model=str(tiny_dirs["target"]), spec=spec)
+    with pytest.raises(ValueError, match="lookup_branch 4: a lookup branch is verified beside an MTP head"):
+        build_proposer(eng_config, None)
