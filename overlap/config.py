@@ -92,7 +92,10 @@ class SpecConfig:
     head: str | None = None  # mtp / eagle: the MTP head's directory (tools/train_mtp.py)
     tree_depth: int = 3  # eagle: levels below the root
     tree_topk: int = 2  # eagle: children per node at most
-    tree_tokens: int = 8  # eagle: nodes verified per step
+    # eagle: nodes verified per step. 5: with the root, 6 rows, one tile of the CPU bf16
+    # matmuls (linear_bf16.cpp); 8 nodes (9 rows) take two and ran slower than they gained
+    # (docs/mtp_eagle.md, "Session 20"). A GPU verifies 9-16 rows at about one row's cost.
+    tree_tokens: int = 5
     tree: str = "static"  # eagle: static (fixed shape) | dynamic (EAGLE-2)
     # mtp / eagle: the head scores only the N most frequent tokens (0: the full vocabulary;
     # None: the head's own choice, its config's `draft_vocab`, 8,192 for the shipped head);
@@ -109,6 +112,11 @@ class SpecConfig:
     # verified beside the head's drafts as one more branch of the step's tree (0: none;
     # overlap/speculative/lookup_branch.py). Outputs do not change.
     lookup_branch: int = 0
+    # ... taken only where the context's last lookup_min_match tokens (or more, up to
+    # ngram_max) occurred before: 1-token matches are found on twice as many steps and add
+    # little (dev replay: code 3.15 -> 3.14, chat 2.26 -> 2.22 tokens a step at n >= 2, with
+    # branches on 0.49 / 0.26 of the steps instead of 0.73 / 0.49), and every branch costs rows.
+    lookup_min_match: int = 2
     # on: a cost-model controller chooses each sequence's drafts (or tree) per step, never
     # more than its cap (overlap/speculative/controller.py); off: every step verifies the cap.
     controller: str = "on"  # on | off

@@ -120,7 +120,8 @@ def _add_engine_options(p: argparse.ArgumentParser, bench: bool = False) -> None
                    help="MTP head directory for --spec mtp/eagle (default: the shipped head of the default model)")
     g.add_argument("--tree-depth", type=_positive_int, metavar="D", help="--spec eagle: tree levels (default 3)")
     g.add_argument("--tree-topk", type=_positive_int, metavar="K", help="--spec eagle: children per node (default 2)")
-    g.add_argument("--tree-tokens", type=_positive_int, metavar="N", help="--spec eagle: tree nodes (default 8)")
+    g.add_argument("--tree-tokens", type=_positive_int, metavar="N", help="--spec eagle: tree nodes (default 5: with the root, one 6-row tile of the CPU "
+                        "matmuls; bench: eagle:N runs a tree of N nodes)")
     g.add_argument("--draft-vocab", type=int, metavar="N",
                    help="--spec mtp/eagle: the head scores only the N most frequent tokens (FR-Spec; e.g. 8192), "
                         "a cheaper draft step; 0 = the full vocabulary; default: the head's own (its config's "
@@ -152,14 +153,15 @@ def _add_engine_options(p: argparse.ArgumentParser, bench: bool = False) -> None
 
 def _spec_mode(text: str) -> str:
     """A bench mode: none | draft | ngram | mtp | eagle, optionally ":K" drafts (mtp:3), or
-    eagle:static / eagle:dynamic."""
+    eagle:static / eagle:dynamic / eagle:N (a tree of N nodes)."""
     mode, _, k = text.partition(":")
     if mode not in SPEC_METHODS:
         raise argparse.ArgumentTypeError(f"unknown mode {mode!r} (choose from {', '.join(SPEC_METHODS)})")
     if mode == "eagle" and k in ("", "static", "dynamic"):
         return text
-    if k and (not k.isdigit() or int(k) < 1 or mode in ("none", "eagle")):
-        raise argparse.ArgumentTypeError(f"{text!r}: K must be a positive integer, for draft/ngram/mtp")
+    if k and (not k.isdigit() or int(k) < 1 or mode == "none"):
+        raise argparse.ArgumentTypeError(f"{text!r}: K must be a positive integer (drafts for draft/ngram/mtp, "
+                                         "tree nodes for eagle)")
     return text
 
 
@@ -657,6 +659,8 @@ def _bench_variants(args: argparse.Namespace) -> list:
             config = engine_config(args, method)
             if k in ("static", "dynamic"):
                 config = dataclasses.replace(config, spec=dataclasses.replace(config.spec, tree=k))
+            elif k and method == "eagle":  # eagle:N, a tree of N nodes
+                config = dataclasses.replace(config, spec=dataclasses.replace(config.spec, tree_tokens=int(k)))
             elif k:
                 config = dataclasses.replace(config, spec=dataclasses.replace(config.spec, num_spec_tokens=int(k)))
             controllers = list(dict.fromkeys(args.speculation_controller or [config.spec.controller]))

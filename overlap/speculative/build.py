@@ -47,6 +47,8 @@ def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | 
     if spec.lookup_branch < 0 or (spec.lookup_branch and spec.method not in ("mtp", "eagle")):
         raise ValueError(f"spec.lookup_branch {spec.lookup_branch}: a lookup branch is verified beside an MTP "
                          f"head's drafts (mtp or eagle), not with {spec.method!r}; 0 turns it off")
+    if spec.lookup_min_match < 1:
+        raise ValueError(f"spec.lookup_min_match {spec.lookup_min_match}: the branch needs a match of >= 1 token")
     if spec.method == "none":
         return None
     if spec.method == "ngram":
@@ -60,7 +62,8 @@ def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | 
     if spec.method in ("mtp", "eagle"):
         proposer = _head_proposer(config, model, scratch_page)
         if spec.lookup_branch:
-            return LookupBranch(proposer, spec.lookup_branch, spec.ngram_min, spec.ngram_max)
+            return LookupBranch(proposer, spec.lookup_branch, spec.lookup_min_match,
+                                max(spec.ngram_max, spec.lookup_min_match))
         return proposer
     raise ValueError(f"unknown spec method {spec.method!r} (none | draft | ngram | mtp | eagle)")
 

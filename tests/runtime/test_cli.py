@@ -109,6 +109,7 @@ def test_generate_chat_and_stop(capsys):
     (["convert", "/nonexistent/model.gguf"], "does not exist"),
     (["generate", "x", "--spec", "medusa"], "--spec"),
     (["bench", "--prompts", "PROMPTS", "--spec", "none", "bogus"], "--spec"),
+    (["bench", "--prompts", "PROMPTS", "--spec", "eagle:0"], "K must be a positive integer"),
     (["generate", "x", "--num-spec-tokens", "0"], "--num-spec-tokens"),
     (["generate", "x", "--spec", "draft", "--model", "/nonexistent/model.gguf"],
      "--spec draft needs --draft-model for a non-default model"),
@@ -267,6 +268,14 @@ def test_bench_runs_each_head_mode_with_each_lookup_branch(prompts_file, monkeyp
     # Only the head drafters take a branch: none and ngram run once, without one.
     assert [(v.label, v.config.spec.lookup_branch) for v in seen] == [
         ("none", 0), ("ngram", 0), ("mtp:3", 0), ("mtp:3 lookup=4", 4)]
+
+
+def test_bench_eagle_n_runs_a_tree_of_n_nodes(prompts_file, monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "run_bench", lambda variants, *a, **kw: seen.extend(variants) or {})
+    monkeypatch.setattr(bench, "format_report", lambda report: "")
+    assert cli.main(["bench", "--prompts", str(prompts_file), "--spec", "eagle:5", "eagle:8", "eagle"]) == 0
+    assert [(v.label, v.config.spec.tree_tokens) for v in seen] == [("eagle:5", 5), ("eagle:8", 8), ("eagle", 5)]
 
 
 def test_generate_takes_the_controller_switch():

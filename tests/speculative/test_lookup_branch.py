@@ -24,8 +24,11 @@ MODES = {"mtp1": dict(method="mtp", num_spec_tokens=1),
          "eagle-dynamic": dict(method="eagle", tree="dynamic", tree_depth=3, tree_topk=2, tree_tokens=6)}
 
 
-def engine(tiny_dirs, heads, mode, lookup=4, target="target", page_size=16, num_pages=512, **sched):
-    spec = SpecConfig(controller="off", head=str(heads[target]), lookup_branch=lookup, **MODES[mode])
+def engine(tiny_dirs, heads, mode, lookup=4, target="target", page_size=16, num_pages=512, min_match=1, **sched):
+    # 1-token matches by default here: branches on the most steps (the shipped default, 2, in
+    # its own test)
+    spec = SpecConfig(controller="off", head=str(heads[target]), lookup_branch=lookup, lookup_min_match=min_match,
+                      **MODES[mode])
     return Engine(EngineConfig(model=str(tiny_dirs[target]), spec=spec,
                                cache=CacheConfig(page_size=page_size, num_pages=num_pages),
                                scheduler=SchedulerConfig(**{"max_num_seqs": 64, "max_batched_tokens": 512,
@@ -58,6 +61,18 @@ def test_greedy_with_a_lookup_branch_equals_plain(tiny_dirs, heads, greedy_refer
     assert [r.token_ids for r in results] == greedy_reference(ps, 32)
     assert sum(branches) > 0, "no step verified a branch"
     assert eng.stats()["free_pages"] == eng.stats()["total_pages"]
+
+
+@pytest.mark.parametrize("mode", ["mtp3", "eagle"])
+def test_greedy_with_the_default_match_length_equals_plain(tiny_dirs, heads, greedy_reference, mode):
+    """SpecConfig's default: a branch only after a match of 2+ tokens (fewer, longer copies)."""
+    ps = [p * 2 for p in prompts(4, seed=141)]
+    eng = engine(tiny_dirs, heads, mode, lookup=6, min_match=SpecConfig().lookup_min_match)
+    assert eng.executor.proposer.n_min == 2
+    branches = count_branches(eng)
+    results = eng.generate(ps, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert [r.token_ids for r in results] == greedy_reference(ps, 40)
+    assert sum(branches) > 0
 
 
 @pytest.mark.parametrize("mode", ["mtp1", "mtp3", "eagle"])
