@@ -24,6 +24,9 @@ class SeqWork(msgspec.Struct, array_like=True, frozen=True):
     num_spec_tokens: int = 0  # drafts to propose this step (0: no speculation this step)
     draft: bool = False  # the sequence speculates: the drafter must follow its tokens
     lookup_rows: int = 0  # rows reserved beyond the drafts for a lookup branch (lookup_branch.py)
+    # tokens 0..start_pos found in the prefix cache, on a drafting sequence's first chunk after
+    # the hit (else empty): for drafters that keep the sequence's tokens on the host
+    reused_ids: list[int] = []
 
     @property
     def end_pos(self) -> int:

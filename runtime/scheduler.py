@@ -226,6 +226,10 @@ class Scheduler:
                 return None
         self.allocator.grow(seq.pages, need)
         p = seq.params
+        # The first chunk after a prefix-cache hit: a drafter that keeps the tokens on the host
+        # (n-gram, a lookup branch) gets the reused ones too, or it could never copy from them.
+        drafts = seq.num_spec_tokens > 0
+        reused = seq.tokens[:seq.num_reused] if drafts and seq.num_reused and seq.num_computed == seq.num_reused else []
         return SeqWork(
             seq_id=seq.seq_id,
             token_ids=seq.tokens[seq.num_computed: seq.num_computed + n],
@@ -234,8 +238,9 @@ class Scheduler:
             sample=is_last_chunk,
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=seq.seed,
             num_spec_tokens=spec,
-            draft=seq.num_spec_tokens > 0,
+            draft=drafts,
             lookup_rows=lookup,
+            reused_ids=reused,
         )
 
     def _reuse_cached_prefix(self, seq: Sequence) -> None:
@@ -313,7 +318,9 @@ class Scheduler:
             self.controller.observe(o.seq_id, o.num_drafts, o.num_accepted, tree=o.seq_id in trees)
         start = self._scheduled_at.pop(plan.step_id, None)
         if start is not None:
-            rows = sum(len(w.token_ids) + w.num_spec_tokens for w in plan.seqs)
+            # The rows the target verified: what the drafter laid out (a lookup branch adds
+            # rows beyond the drafts asked for; n-gram may find fewer), not what was asked.
+            rows = sum(len(w.token_ids) for w in plan.seqs) + sum(o.num_drafts for o in output.seqs)
             depths = [self.tree_depth if w.seq_id in trees else w.num_spec_tokens for w in plan.seqs]
             levels = [sum(1 for d in depths if d >= j) for j in range(2, max(depths, default=0) + 1)]
             self.controller.observe_step(rows, levels, self.clock() - start, speculating=sum(1 for d in depths if d),

@@ -63,6 +63,8 @@ class NgramProposer:
         # model, nothing ran the drafts through this history while proposing.
         for s, out, _ in finished.followed():
             hist = self.history.setdefault(s.seq_id, [])
+            if s.reused_ids:  # the first chunk after a prefix-cache hit: the tokens it skipped
+                hist[:] = s.reused_ids
             del hist[s.start_pos:]  # a recompute after preemption restarts at 0
             hist += s.token_ids + out.token_ids
 

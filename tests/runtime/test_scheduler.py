@@ -195,6 +195,21 @@ def test_a_batch_with_a_prefill_chunk_still_speculates_for_its_decodes():
     assert ctl.catch_ups == [0, 3, 10]
 
 
+def test_the_step_is_priced_by_the_rows_it_verified():
+    """A lookup branch verifies rows beyond the drafts asked for (an n-gram drafter may find
+    fewer): the cost model learns from the rows the target ran."""
+    ctl = FixedChoices(pick=3)
+    clock = iter(range(100)).__next__
+    s = Scheduler(SchedulerConfig(), PageAllocator(64, 4), (2,), ctl, clock=clock, lookup_branch=4)
+    s.add("a", [10, 11, 12], SamplingParams(max_tokens=20), seed=0, num_spec_tokens=3)
+    fake_run(s)
+    plan = s.schedule()
+    (a,) = plan.seqs
+    assert a.num_spec_tokens == 3 and a.lookup_rows == 4
+    s.update(plan, StepOutput(plan.step_id, [SeqOutput(a.seq_id, [7, 7, 7], 3 + 4, 2)]))
+    assert ctl.steps[-1][0] == 1 + 3 + 4
+
+
 def test_tree_requests_are_offered_chains_or_the_whole_tree():
     ctl = FixedChoices(pick=-1)
     s = Scheduler(SchedulerConfig(), PageAllocator(64, 4), (2,), ctl, tree_depth=3, tree_chains=True)

@@ -2,9 +2,9 @@
 
 A cached page carries the KV of every pool (target, draft model, MTP/EAGLE head), so a request
 that hits the cache must produce exactly what it produces with the cache off: the same greedy
-tokens, and, since its drafter starts from the same KV, the same drafts and acceptances
-(n-gram aside: it drafts from the tokens it saw since admission, which exclude the cached
-prefix). Also: a whole-prompt hit, eviction under a tiny page budget, and the target
+tokens, and, since its drafter starts from the same KV, the same drafts and acceptances (the
+n-gram drafter and a lookup branch, which keep the tokens on the host, are handed the cached
+prefix's tokens with the first chunk after the hit: SeqWork.reused_ids). Also: a whole-prompt hit, eviction under a tiny page budget, and the target
 distribution under sampling with most requests hitting the cache.
 """
 
@@ -23,14 +23,14 @@ MAX_TOKENS = 16
 
 
 def engine(tiny_dirs, heads, method, prefix_caching, target="target", page_size=4, num_pages=512,
-           max_batched_tokens=512, max_num_seqs=64, k=3) -> Engine:
+           max_batched_tokens=512, max_num_seqs=64, k=3, lookup_branch=0) -> Engine:
     # controller="off": these tests compare draft counts and depths, which a controller choosing
     # k from measured step times would vary between runs.
     spec = SpecConfig(method=method, num_spec_tokens=4 if method == "eagle" else k, controller="off",
                       draft_model=str(tiny_dirs["draft" if target == "target" else "draft_v6"])
                       if method == "draft" else None,
                       head=str(heads[target]) if method in ("mtp", "eagle") else None,
-                      tree_depth=2, tree_topk=2, tree_tokens=4)
+                      tree_depth=2, tree_topk=2, tree_tokens=4, lookup_branch=lookup_branch, lookup_min_match=1)
     return Engine(EngineConfig(model=str(tiny_dirs[target]), spec=spec,
                                cache=CacheConfig(page_size=page_size, num_pages=num_pages,
                                                  prefix_caching=prefix_caching),
@@ -89,9 +89,21 @@ def test_greedy_outputs_and_drafts_are_the_same_with_the_cache_on_and_off(tiny_d
     assert stats["free_pages"] == stats["total_pages"]
     if method != "none":
         assert sum(d for _, (d, _) in on) > 0
-    if method in ("draft", "mtp", "eagle"):
-        # The cached pages carried the drafter's KV: it proposes exactly what it did from scratch.
+    if method != "none":
+        # The cached pages carried the drafter's KV (a model drafter), or the first chunk after
+        # the hit handed over the cached tokens (n-gram): it proposes what it did from scratch.
         assert [s for _, s in on] == [s for _, s in off]
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle"])
+def test_a_lookup_branch_copies_from_a_cached_prefix(tiny_dirs, heads, plain_outputs, method):
+    waves = shared_prefix_waves()
+    off = run_waves(engine(tiny_dirs, heads, method, prefix_caching=False, lookup_branch=4), waves)
+    eng = engine(tiny_dirs, heads, method, prefix_caching=True, lookup_branch=4)
+    on = run_waves(eng, waves)
+    assert [ids for ids, _ in on] == [ids for ids, _ in off] == plain_outputs
+    assert eng.stats()["prefix_cache_hit_tokens"] >= 72
+    assert on == off  # the same branches: its history held the cached prompt tokens too
 
 
 def test_mtp_no_sync_k1_with_the_cache(tiny_dirs, heads, plain_outputs):
