@@ -45,7 +45,7 @@ import torch
 from overlap.attention.base import tree_mask_from_parents
 from overlap.batch import BatchPlan, SeqWork
 from overlap.speculative.base import DraftLayout, DraftRequest, FinishedStep, Proposal, TreeLayout, Verified
-from overlap.speculative.ngram import lookup
+from overlap.speculative.ngram import follow, lookup
 
 # Marks a draft the proposer fills in on the device in a layout's host tokens.
 ON_DEVICE = -1
@@ -144,12 +144,7 @@ class LookupBranch:
         """On the host, right after the step's sync: the produced tokens join each sequence's
         history before the next step is planned (the inner catch-up runs later, on the
         forward stream)."""
-        for s, out, _ in finished.followed():
-            hist = self.history.setdefault(s.seq_id, [])
-            if s.reused_ids:  # the first chunk after a prefix-cache hit: the tokens it skipped
-                hist[:] = s.reused_ids
-            del hist[s.start_pos:]  # a recompute after preemption restarts at 0
-            hist += s.token_ids + out.token_ids
+        follow(self.history, finished)
 
     def catch_up(self, finished: FinishedStep) -> None:
         self.inner.catch_up(finished)

@@ -29,6 +29,17 @@ def lookup(history: list[int], k: int, n_min: int, n_max: int) -> list[int]:
     return []
 
 
+def follow(history: dict[int, list[int]], finished: FinishedStep) -> None:
+    """Every token from each followed sequence's step on joins its host history (seq_id →
+    tokens), accepted drafts included."""
+    for s, out, _ in finished.followed():
+        hist = history.setdefault(s.seq_id, [])
+        if s.reused_ids:  # the first chunk after a prefix-cache hit: the tokens it skipped
+            hist[:] = s.reused_ids
+        del hist[s.start_pos:]  # a recompute after preemption restarts at 0
+        hist += s.token_ids + out.token_ids
+
+
 class NgramProposer:
     name = "ngram"
     state_on_host = True
@@ -59,14 +70,8 @@ class NgramProposer:
         pass  # catch_up runs on the host too (state_on_host), at once
 
     def catch_up(self, finished: FinishedStep) -> None:
-        # Every token from the step's first on, accepted drafts included: unlike a draft
-        # model, nothing ran the drafts through this history while proposing.
-        for s, out, _ in finished.followed():
-            hist = self.history.setdefault(s.seq_id, [])
-            if s.reused_ids:  # the first chunk after a prefix-cache hit: the tokens it skipped
-                hist[:] = s.reused_ids
-            del hist[s.start_pos:]  # a recompute after preemption restarts at 0
-            hist += s.token_ids + out.token_ids
+        # Unlike a draft model, nothing ran the drafts through this history while proposing.
+        follow(self.history, finished)
 
     def release(self, seq_ids: list[int]) -> None:
         for i in seq_ids:
