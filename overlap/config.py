@@ -108,7 +108,7 @@ class SpecConfig:
     drafter_weights: str = "auto"  # auto | bf16 | int8
     ngram_min: int = 1
     ngram_max: int = 3
-    # mtp / eagle: up to this many tokens of prompt lookup (ngram_min..ngram_max suffix match)
+    # mtp / eagle: up to this many tokens of prompt lookup (a suffix match of lookup_min_match..ngram_max tokens)
     # verified beside the head's drafts as one more branch of the step's tree (0: none;
     # overlap/speculative/lookup_branch.py). Outputs do not change.
     lookup_branch: int = 0

@@ -675,7 +675,7 @@ def _bench_variants(args: argparse.Namespace) -> list:
                     label += f" controller={ctl}"
                 if len(weights) > 1 and drafts:
                     label += f" {wts}"
-                if lookup and heads:
+                if lookup:  # 0 for the modes without a head
                     label += f" lookup={lookup}"
                 variants.append(Variant(label, dataclasses.replace(config, spec=dataclasses.replace(
                     config.spec, controller=ctl, drafter_weights=wts, lookup_branch=lookup))))

@@ -64,7 +64,7 @@ class LookupBranch:
     """Wraps a head proposer (MTPProposer, EagleProposer) with a lookup branch of up to
     `length` tokens per sequence (module doc)."""
 
-    def __init__(self, inner, length: int, n_min: int = 1, n_max: int = 3):
+    def __init__(self, inner, length: int, n_min: int, n_max: int):
         if length < 1:
             raise ValueError(f"a lookup branch needs a length >= 1, got {length}")
         self.inner, self.length = inner, length
@@ -89,10 +89,10 @@ class LookupBranch:
         # 2. each sequence's nodes: the head's (chain or tree), then its branch from the root
         parents, order, masks, depths, tokens, num_drafts = [], [], [], [], [], []
         for j, (k, branch) in enumerate(zip(inner.num_drafts, found)):
-            if not k:
-                for column in (parents, order, masks):
-                    column.append(None)
-                depths.append([]), tokens.append([]), num_drafts.append(0)
+            if not k:  # no drafts this step: no nodes
+                for column, empty in ((parents, None), (order, None), (masks, None), (depths, []), (tokens, []),
+                                      (num_drafts, 0)):
+                    column.append(empty)
                 continue
             base_parents, base_order = self._inner_shape(inner, j, k)
             b = len(base_parents)
