@@ -84,6 +84,11 @@ class SchedulerConfig:
     max_model_len: int = 4096  # prompt + output; capped by the model's max_position
 
 
+# The drafters a lookup branch rides with (spec.lookup_branch): the model drafters
+# (overlap/speculative/lookup_branch.py); n-gram is itself a lookup.
+BRANCHED_METHODS = ("draft", "mtp", "eagle")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     method: str = "none"  # none | draft | ngram | mtp | eagle
@@ -108,8 +113,8 @@ class SpecConfig:
     drafter_weights: str = "auto"  # auto | bf16 | int8
     ngram_min: int = 1
     ngram_max: int = 3
-    # mtp / eagle: up to this many tokens of prompt lookup (a suffix match of lookup_min_match..ngram_max tokens)
-    # verified beside the head's drafts as one more branch of the step's tree (0: none;
+    # draft / mtp / eagle: up to this many tokens of prompt lookup (a suffix match of lookup_min_match..ngram_max
+    # tokens) verified beside the drafter's drafts as one more branch of the step's tree (0: none;
     # overlap/speculative/lookup_branch.py). Outputs do not change.
     lookup_branch: int = 0
     # ... taken only where the context's last lookup_min_match tokens (or more, up to

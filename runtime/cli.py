@@ -35,7 +35,8 @@ from pathlib import Path
 
 import msgspec
 
-from overlap.config import EngineConfig, SpecConfig, check_device, default_draft_dir, default_head_dir, load_config
+from overlap.config import (BRANCHED_METHODS, EngineConfig, SpecConfig, check_device, default_draft_dir,
+                            default_head_dir, load_config)
 from overlap.models.loading import ModelNotFoundError, default_gguf_path
 from runtime.messages import RequestError, SamplingParams
 
@@ -133,11 +134,11 @@ def _add_engine_options(p: argparse.ArgumentParser, bench: bool = False) -> None
                         "do not change (default: auto = int8 for a bf16 target on an AVX2-or-better CPU, else bf16)"
                         + ("; bench: give both to run each drafting mode with each" if bench else ""))
     g.add_argument("--lookup-branch", type=_non_negative_int, nargs="+" if bench else None, metavar="L",
-                   help="--spec mtp/eagle: verify up to L tokens of prompt lookup (the continuation of the "
-                        "context's last n-gram where it occurred before) beside the head's drafts, as one more "
-                        "branch of the step's tree; pays where the text copies (code: arguments, repeated "
+                   help="--spec draft/mtp/eagle: verify up to L tokens of prompt lookup (the continuation of "
+                        "the context's last n-gram where it occurred before) beside the drafter's drafts, as one "
+                        "more branch of the step's tree; pays where the text copies (code: arguments, repeated "
                         "lines). Outputs do not change (default 0: off)"
-                        + ("; bench: give several to run each head mode with each" if bench else ""))
+                        + ("; bench: give several to run each model-drafter mode with each" if bench else ""))
     g.add_argument("--tree", choices=("static", "dynamic"),
                    help="--spec eagle: a fixed tree shape, or EAGLE-2's dynamic one (default: static)")
     g.add_argument("--speculation-controller", choices=("on", "off"), nargs="+" if bench else None,
@@ -338,10 +339,10 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
     if config.spec.draft_vocab and (config.spec.draft_vocab < 0 or config.spec.method in ("draft", "ngram")):
         raise ValueError(f"--draft-vocab {config.spec.draft_vocab}: give a positive N, with --spec mtp or eagle "
                          "(the draft model carries its own trimmed vocabulary)")
-    if config.spec.lookup_branch and config.spec.method not in ("mtp", "eagle") and \
+    if config.spec.lookup_branch and config.spec.method not in BRANCHED_METHODS and \
             not isinstance(getattr(args, "lookup_branch", None), list):
-        raise ValueError(f"--lookup-branch {config.spec.lookup_branch}: the branch is verified beside an MTP "
-                         f"head's drafts: give --spec mtp or eagle (--spec {config.spec.method} has none)")
+        raise ValueError(f"--lookup-branch {config.spec.lookup_branch}: the branch is verified beside a model "
+                         f"drafter's drafts: give --spec draft, mtp or eagle (--spec {config.spec.method} has none)")
     bench_sweep = isinstance(getattr(args, "drafter_weights", None), list)  # bench: per drafting mode
     if config.spec.drafter_weights == "int8" and config.spec.method in ("none", "ngram") and not bench_sweep:
         raise ValueError(f"--drafter-weights int8: --spec {config.spec.method} has no drafter weights "
@@ -666,16 +667,16 @@ def _bench_variants(args: argparse.Namespace) -> list:
             controllers = list(dict.fromkeys(args.speculation_controller or [config.spec.controller]))
             weights = list(dict.fromkeys(args.drafter_weights or [config.spec.drafter_weights]))
             lookups = list(dict.fromkeys(args.lookup_branch or [config.spec.lookup_branch]))
-            drafts, heads = method in ("draft", "mtp", "eagle"), method in ("mtp", "eagle")
+            drafts = method in BRANCHED_METHODS  # the model drafters: weights and a lookup branch
             for ctl, wts, lookup in itertools.product(
                     controllers if method != "none" else [config.spec.controller],
-                    weights if drafts else [SpecConfig().drafter_weights], lookups if heads else [0]):
+                    weights if drafts else [SpecConfig().drafter_weights], lookups if drafts else [0]):
                 label = mode
                 if len(controllers) > 1 and method != "none":
                     label += f" controller={ctl}"
                 if len(weights) > 1 and drafts:
                     label += f" {wts}"
-                if lookup:  # 0 for the modes without a head
+                if lookup:  # 0 for the modes without a model drafter
                     label += f" lookup={lookup}"
                 variants.append(Variant(label, dataclasses.replace(config, spec=dataclasses.replace(
                     config.spec, controller=ctl, drafter_weights=wts, lookup_branch=lookup))))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from overlap.batch import BatchPlan, SeqWork, StepOutput
-from overlap.config import SchedulerConfig
+from overlap.config import BRANCHED_METHODS, SchedulerConfig
 from overlap.speculative.controller import Candidate, SpeculationController, chain_options, tree_options
 from runtime.messages import SamplingParams
 from runtime.pages import PageAllocator
@@ -68,10 +68,10 @@ class SeqUpdate:
 def spec_arguments(spec) -> dict:
     """The Scheduler's tree_depth, tree_chains and lookup_branch for a SpecConfig (the engine's
     scheduler and the server's build theirs alike): EAGLE's trees, with chains along a fixed
-    tree's top path; the rows of a head drafter's lookup branch (lookup_branch.py)."""
+    tree's top path; the rows of a model drafter's lookup branch (lookup_branch.py)."""
     eagle = spec.method == "eagle"
     return {"tree_depth": spec.tree_depth if eagle else 0, "tree_chains": eagle and spec.tree == "static",
-            "lookup_branch": spec.lookup_branch if spec.method in ("mtp", "eagle") else 0}
+            "lookup_branch": spec.lookup_branch if spec.method in BRANCHED_METHODS else 0}
 
 
 class Scheduler:

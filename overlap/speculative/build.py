@@ -10,7 +10,7 @@ import torch
 
 from overlap import kernels
 from overlap.attention import make_backend
-from overlap.config import EngineConfig
+from overlap.config import BRANCHED_METHODS, EngineConfig
 from overlap.models.heads import load_head
 from overlap.models.llama import LlamaModel
 from overlap.speculative.base import Proposer
@@ -44,9 +44,9 @@ def drafter_matmul(config: EngineConfig, model: LlamaModel) -> str | None:
 
 def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | None = None) -> Proposer | None:
     spec = config.spec
-    if spec.lookup_branch < 0 or (spec.lookup_branch and spec.method not in ("mtp", "eagle")):
-        raise ValueError(f"spec.lookup_branch {spec.lookup_branch}: a lookup branch is verified beside an MTP "
-                         f"head's drafts (mtp or eagle), not with {spec.method!r}; 0 turns it off")
+    if spec.lookup_branch < 0 or (spec.lookup_branch and spec.method not in BRANCHED_METHODS):
+        raise ValueError(f"spec.lookup_branch {spec.lookup_branch}: a lookup branch is verified beside a model "
+                         f"drafter's drafts (draft, mtp or eagle), not with {spec.method!r}; 0 turns it off")
     if spec.lookup_min_match < 1:
         raise ValueError(f"spec.lookup_min_match {spec.lookup_min_match}: the branch needs a match of >= 1 token")
     if spec.method == "none":
@@ -57,15 +57,18 @@ def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | 
         if not spec.draft_model:
             raise ValueError("spec method 'draft' needs spec.draft_model (a draft directory)")
         draft = load_draft(spec.draft_model, model, drafter_matmul(config, model))
-        return DraftTargetProposer(draft, make_backend(config.attention_backend, config.device),
-                                   config.cache.num_pages, config.cache.page_size, scratch_page)
+        return _with_branch(spec, DraftTargetProposer(draft, make_backend(config.attention_backend, config.device),
+                                                      config.cache.num_pages, config.cache.page_size, scratch_page))
     if spec.method in ("mtp", "eagle"):
-        proposer = _head_proposer(config, model, scratch_page)
-        if spec.lookup_branch:
-            return LookupBranch(proposer, spec.lookup_branch, spec.lookup_min_match,
-                                max(spec.ngram_max, spec.lookup_min_match))
-        return proposer
+        return _with_branch(spec, _head_proposer(config, model, scratch_page))
     raise ValueError(f"unknown spec method {spec.method!r} (none | draft | ngram | mtp | eagle)")
+
+
+def _with_branch(spec, proposer: Proposer) -> Proposer:
+    """The proposer with its lookup branch (spec.lookup_branch tokens; 0: none)."""
+    if not spec.lookup_branch:
+        return proposer
+    return LookupBranch(proposer, spec.lookup_branch, spec.lookup_min_match, max(spec.ngram_max, spec.lookup_min_match))
 
 
 def _head_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | None) -> Proposer:

@@ -51,6 +51,9 @@ class DraftModel:
 class DraftTargetProposer:
     name = "draft"
     state_on_host = False
+    # Its catch-up skips the accepted drafts it ran itself (unseen_tokens): a lookup branch
+    # beside it must report a step whose walk followed the branch (lookup_branch.py).
+    trusts_own_drafts = True
 
     def __init__(self, draft: DraftModel, backend: AttentionBackend, num_pages: int, page_size: int,
                  scratch_page: int | None = None):

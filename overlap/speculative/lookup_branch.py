@@ -27,8 +27,13 @@ where no sequence finds a branch is the head's step unchanged (chain verificatio
 
 The head's catch-up re-runs every accepted row with the target's hidden states whoever
 drafted them (head_proposer.py), so a branch token accepted leaves the head exactly where an
-accepted head draft would. The draft-model drafter is not wrapped: its catch-up trusts the
-KV of its own accepted drafts.
+accepted head draft would. The draft model (draft_target.py) catches up from the first token
+it has not run through its own KV, trusting the KV of its accepted drafts: after a step whose
+walk followed the branch those positions hold its chain, not the accepted copy, so it is told
+that none of its drafts was accepted (`_as_the_chain_saw_it`) and re-runs every produced token.
+The walk followed the branch exactly when a draft was accepted and the first produced token is
+the branch's first: the branch is tried first at the root, and once refused its token leaves
+the residual, so no later child with the same token is accepted.
 
 Rows: the scheduler reserves SeqWork.lookup_rows slots beyond the drafts (its room before
 max_tokens and the context end), and the branch never takes more. A branch is taken only after
@@ -38,12 +43,13 @@ above found 1-token matches on twice the steps for almost no more copied tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from overlap.attention.base import tree_mask_from_parents
-from overlap.batch import BatchPlan, SeqWork
+from overlap.batch import BatchPlan, SeqOutput, SeqWork
 from overlap.speculative.base import DraftLayout, DraftRequest, FinishedStep, Proposal, TreeLayout, Verified
 from overlap.speculative.ngram import follow, lookup
 
@@ -61,8 +67,8 @@ class BranchedLayout(DraftLayout):
 
 
 class LookupBranch:
-    """Wraps a head proposer (MTPProposer, EagleProposer) with a lookup branch of up to
-    `length` tokens per sequence (module doc)."""
+    """Wraps a model drafter (MTPProposer, EagleProposer, DraftTargetProposer) with a lookup
+    branch of up to `length` tokens per sequence (module doc)."""
 
     def __init__(self, inner, length: int, n_min: int, n_max: int):
         if length < 1:
@@ -73,6 +79,13 @@ class LookupBranch:
         self.state_on_host = inner.state_on_host
         # seq_id → every token of the sequence known on the host (prompt and output)
         self.history: dict[int, list[int]] = {}
+        # A drafter whose catch-up trusts the KV of its own accepted drafts (the draft model)
+        # must hear which steps' walks followed a branch instead (module doc).
+        self.inner_trusts_own_drafts = getattr(inner, "trusts_own_drafts", False)
+        # (seq_id, start_pos) of a branched step → (its chain's drafts, the branch's first
+        # token); written when planned, read at that step's catch-up (on the forward stream,
+        # possibly after the next step is planned: hence keyed by the step's position too).
+        self.branched: dict[tuple[int, int], tuple[int, int]] = {}
 
     def graph_runners(self) -> list:
         return self.inner.graph_runners()
@@ -107,6 +120,8 @@ class LookupBranch:
             head_tokens = list(inner.tokens[j]) if inner.tokens is not None else [ON_DEVICE] * b
             tokens.append(head_tokens + branch)
             num_drafts.append(b + len(branch))
+            if branch and self.inner_trusts_own_drafts:
+                self.branched[(sampled[j].seq_id, sampled[j].start_pos)] = (k, branch[0])
         max_children = (inner.tree.max_children if inner.tree is not None else 1) + 1
         tree = TreeLayout(parents, order, masks, max(max(d) for d in depths if d), max_children)
         return BranchedLayout(num_drafts, inner.width + self.length, depths, tree, tokens,
@@ -147,9 +162,29 @@ class LookupBranch:
         follow(self.history, finished)
 
     def catch_up(self, finished: FinishedStep) -> None:
+        if self.inner_trusts_own_drafts:
+            finished = self._as_the_chain_saw_it(finished)
         self.inner.catch_up(finished)
 
+    def _as_the_chain_saw_it(self, finished: FinishedStep) -> FinishedStep:
+        """The step's outputs as the inner drafter's chain saw them: on a branched step, its own
+        drafts (k) and how many of them were accepted: none where the walk followed the branch,
+        else the path's length (a path along the chain never runs past k)."""
+        outputs = []
+        for s, out in zip(finished.seqs, finished.outputs):
+            chain = self.branched.pop((s.seq_id, s.start_pos), None)
+            if chain is not None:
+                k, branch_first = chain
+                followed_branch = out.num_accepted > 0 and out.token_ids[0] == branch_first
+                out = SeqOutput(out.seq_id, out.token_ids, k, 0 if followed_branch else out.num_accepted)
+            outputs.append(out)
+        return dataclasses.replace(finished, outputs=outputs)
+
     def release(self, seq_ids: list[int]) -> None:
+        gone = set(seq_ids)
         for i in seq_ids:
             self.history.pop(i, None)
+        # list(): one atomic copy of the keys; plan() may add one on the host thread meanwhile.
+        for key in [key for key in list(self.branched) if key[0] in gone]:
+            self.branched.pop(key, None)
         self.inner.release(seq_ids)

@@ -18,14 +18,24 @@ from overlap.speculative.base import DraftLayout, DraftRequest, FinishedStep, Pr
 
 
 def lookup(history: list[int], k: int, n_min: int, n_max: int) -> list[int]:
-    """Up to k tokens continuing the latest earlier match of the longest suffix n-gram."""
+    """Up to k tokens continuing the latest earlier match of the longest suffix n-gram.
+
+    A match d tokens back whose continuation runs into the end of the history (d < k) is
+    continued as the text it copies: a run that repeats with period d goes on repeating, so
+    draft j is draft j - d. Without that, a sequence in a loop (small models decoding greedily
+    fall into them) finds its latest match one period back and copies a single period: a
+    1-token loop drafted 1 token a step."""
     size = len(history)
     for n in range(min(n_max, size - 1), n_min - 1, -1):
         suffix = history[size - n:]
         # Scan right to left: the most recent occurrence predicts best.
         for start in range(size - n - 1, -1, -1):
             if history[start: start + n] == suffix:
-                return history[start + n: start + n + k]
+                drafts = history[start + n: start + n + k]
+                period = size - n - start  # how far back the match is
+                while len(drafts) < k:
+                    drafts.append(drafts[len(drafts) - period])
+                return drafts
     return []
 
 

@@ -259,15 +259,15 @@ def test_bench_runs_each_speculative_mode_with_the_controller_on_and_off(prompts
     assert all(v.config.spec.step_costs == str(curve) for v in seen)
 
 
-def test_bench_runs_each_head_mode_with_each_lookup_branch(prompts_file, monkeypatch):
+def test_bench_runs_each_model_drafter_mode_with_each_lookup_branch(prompts_file, monkeypatch):
     seen = []
     monkeypatch.setattr(bench, "run_bench", lambda variants, *a, **kw: seen.extend(variants) or {})
     monkeypatch.setattr(bench, "format_report", lambda report: "")
-    assert cli.main(["bench", "--prompts", str(prompts_file), "--spec", "none", "ngram", "mtp:3",
+    assert cli.main(["bench", "--prompts", str(prompts_file), "--spec", "none", "ngram", "mtp:3", "draft",
                      "--lookup-branch", "0", "4"]) == 0
-    # Only the head drafters take a branch: none and ngram run once, without one.
+    # Only the model drafters take a branch: none and ngram run once, without one.
     assert [(v.label, v.config.spec.lookup_branch) for v in seen] == [
-        ("none", 0), ("ngram", 0), ("mtp:3", 0), ("mtp:3 lookup=4", 4)]
+        ("none", 0), ("ngram", 0), ("mtp:3", 0), ("mtp:3 lookup=4", 4), ("draft", 0), ("draft lookup=4", 4)]
 
 
 def test_bench_eagle_n_runs_a_tree_of_n_nodes(prompts_file, monkeypatch):

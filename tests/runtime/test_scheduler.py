@@ -270,7 +270,8 @@ def test_the_engine_and_the_server_offer_eagle_chains_alike():
         "tree_depth": 3, "tree_chains": False, "lookup_branch": 0}
     assert spec_arguments(SpecConfig(method="mtp", lookup_branch=4)) == {
         "tree_depth": 0, "tree_chains": False, "lookup_branch": 4}
-    # Only the head drafters take a branch (the draft model's catch-up trusts its own drafts' KV).
-    assert spec_arguments(SpecConfig(method="draft", lookup_branch=4))["lookup_branch"] == 0
+    # The model drafters take a branch; n-gram (a lookup itself) and none do not.
+    assert spec_arguments(SpecConfig(method="draft", lookup_branch=4))["lookup_branch"] == 4
+    assert spec_arguments(SpecConfig(method="ngram", lookup_branch=4))["lookup_branch"] == 0
     for module in ("runtime/engine.py", "runtime/scheduler_proc.py"):  # both build their Scheduler with it
         assert "**spec_arguments(config.spec)" in open(module).read()

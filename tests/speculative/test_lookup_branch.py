@@ -1,9 +1,10 @@
-"""A lookup branch beside the head's drafts (overlap/speculative/lookup_branch.py): greedy
-exactness for MTP chains (k = 1 no-sync and k = 3) and EAGLE trees (static, dynamic) at
-several batch and page sizes, under preemption and chunked prefill, near max_tokens; more
-tokens accepted where the text repeats; the target distribution kept under sampling
+"""A lookup branch beside a model drafter's drafts (overlap/speculative/lookup_branch.py):
+greedy exactness for MTP chains (k = 1 no-sync and k = 3), EAGLE trees (static, dynamic) and
+the draft model's chains at several batch and page sizes, under preemption and chunked
+prefill, near max_tokens; more tokens accepted where the text repeats; the draft model's KV
+re-run after a step that followed the branch; the target distribution kept under sampling
 (chi-square) with branches verified in the checked steps; clear errors for drafters without
-a head."""
+a model."""
 
 import pytest
 
@@ -17,18 +18,24 @@ from speculative.engine_stats import check_engine_law, exact_law, sample
 from speculative.markov import law_rejected
 from speculative.test_spec_engine import prompts
 
-# (method, k or tree, ...): the head drafters a branch rides with
+# (method, k or tree, ...): the model drafters a branch rides with
 MODES = {"mtp1": dict(method="mtp", num_spec_tokens=1),
          "mtp3": dict(method="mtp", num_spec_tokens=3),
          "eagle": dict(method="eagle", tree_depth=3, tree_topk=2, tree_tokens=6),
-         "eagle-dynamic": dict(method="eagle", tree="dynamic", tree_depth=3, tree_topk=2, tree_tokens=6)}
+         "eagle-dynamic": dict(method="eagle", tree="dynamic", tree_depth=3, tree_topk=2, tree_tokens=6),
+         "draft3": dict(method="draft", num_spec_tokens=3)}
+DRAFTS = {"target": "draft", "target_v6": "draft_v6"}  # the tiny draft model of each tiny target
 
 
-def engine(tiny_dirs, heads, mode, lookup=4, target="target", page_size=16, num_pages=512, min_match=1, **sched):
+def engine(tiny_dirs, heads, mode, lookup=4, target="target", page_size=16, num_pages=512, min_match=1,
+           draft=None, **sched):
     # 1-token matches by default here: branches on the most steps (the shipped default, 2, in
-    # its own test)
-    spec = SpecConfig(controller="off", head=str(heads[target]), lookup_branch=lookup, lookup_min_match=min_match,
-                      **MODES[mode])
+    # its own test). draft: the draft model's directory name in tiny_dirs (default: the target's
+    # own tiny draft).
+    mode_spec = MODES[mode]
+    drafter = ({"draft_model": str(tiny_dirs[draft or DRAFTS[target]]), "drafter_weights": "bf16"}
+               if mode_spec["method"] == "draft" else {"head": str(heads[target])})
+    spec = SpecConfig(controller="off", lookup_branch=lookup, lookup_min_match=min_match, **drafter, **mode_spec)
     return Engine(EngineConfig(model=str(tiny_dirs[target]), spec=spec,
                                cache=CacheConfig(page_size=page_size, num_pages=num_pages),
                                scheduler=SchedulerConfig(**{"max_num_seqs": 64, "max_batched_tokens": 512,
@@ -63,7 +70,7 @@ def test_greedy_with_a_lookup_branch_equals_plain(tiny_dirs, heads, greedy_refer
     assert eng.stats()["free_pages"] == eng.stats()["total_pages"]
 
 
-@pytest.mark.parametrize("mode", ["mtp3", "eagle"])
+@pytest.mark.parametrize("mode", ["mtp3", "eagle", "draft3"])
 def test_greedy_with_the_default_match_length_equals_plain(tiny_dirs, heads, greedy_reference, mode):
     """SpecConfig's default: a branch only after a match of 2+ tokens (fewer, longer copies)."""
     ps = [p * 2 for p in prompts(4, seed=141)]
@@ -75,7 +82,7 @@ def test_greedy_with_the_default_match_length_equals_plain(tiny_dirs, heads, gre
     assert sum(branches) > 0
 
 
-@pytest.mark.parametrize("mode", ["mtp1", "mtp3", "eagle"])
+@pytest.mark.parametrize("mode", ["mtp1", "mtp3", "eagle", "draft3"])
 def test_greedy_with_a_lookup_branch_under_preemption_and_chunked_prefill(tiny_dirs, heads, greedy_reference, mode):
     ps = [p * 3 for p in prompts(8, seed=131)]  # several prefill chunks each
     eng = engine(tiny_dirs, heads, mode, page_size=4, num_pages=48, max_batched_tokens=32)
@@ -86,43 +93,45 @@ def test_greedy_with_a_lookup_branch_under_preemption_and_chunked_prefill(tiny_d
     assert [r.token_ids for r in results] == greedy_reference(ps, 30)
 
 
-@pytest.mark.parametrize("max_tokens", [9, 12, 17])
-def test_a_branch_never_runs_past_max_tokens(tiny_dirs, heads, greedy_reference, max_tokens):
+def test_a_branch_never_runs_past_max_tokens(tiny_dirs, heads, greedy_reference):
     """The scheduler reserves branch rows within the room left (a step emits at most its
     accepted rows + 1): long branches on repetitive prompts stop at max_tokens exactly, and
-    steps near the end verify branches cut to the room."""
+    steps near the end verify branches cut to the room (over the three lengths: a run whose
+    last branch jumps from a full room to the end cuts none)."""
     ps = [[7, 8, 9] * 6, [5, 6] * 9, [11] * 12, prompts(1, seed=3)[0] * 2]
-    eng = engine(tiny_dirs, heads, "mtp3", lookup=6)
-    branches = count_branches(eng)
     reserved = []
-    plan = eng.executor.proposer.plan
+    for max_tokens in (9, 12, 17):
+        eng = engine(tiny_dirs, heads, "mtp3", lookup=6)
+        branches = count_branches(eng)
+        plan = eng.executor.proposer.plan
 
-    def recording(batch, sampled, ks, wait):
-        reserved.extend(s.lookup_rows for s, k in zip(sampled, ks) if k)
-        return plan(batch, sampled, ks, wait)
-    eng.executor.proposer.plan = recording
-    results = eng.generate(ps, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    assert [r.token_ids for r in results] == greedy_reference(ps, max_tokens)
-    assert all(len(r.token_ids) == max_tokens for r in results)
-    assert sum(branches) > 0
+        def recording(batch, sampled, ks, wait, plan=plan):
+            reserved.extend(s.lookup_rows for s, k in zip(sampled, ks) if k)
+            return plan(batch, sampled, ks, wait)
+        eng.executor.proposer.plan = recording
+        results = eng.generate(ps, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        assert [r.token_ids for r in results] == greedy_reference(ps, max_tokens)
+        assert all(len(r.token_ids) == max_tokens for r in results)
+        assert sum(branches) > 0
+        assert eng.stats()["free_pages"] == eng.stats()["total_pages"]
     assert 6 in reserved and min(reserved) < 6, reserved  # full rows early, cut ones near the end
-    assert eng.stats()["free_pages"] == eng.stats()["total_pages"]
 
 
-def test_the_branch_accepts_more_where_the_text_repeats(tiny_dirs, heads, greedy_reference):
-    """The random head is rarely right; the tiny target repeats itself, and the copy is: the
-    same requests accept more tokens a step with the branch than without."""
+@pytest.mark.parametrize("mode", ["mtp3", "draft3"])
+def test_the_branch_accepts_more_where_the_text_repeats(tiny_dirs, heads, greedy_reference, mode):
+    """The random head (the random draft) is rarely right; the tiny target repeats itself, and
+    the copy is: the same requests accept more tokens a step with the branch than without."""
     ps = [[7, 8, 9, 10] * 5, [21, 22] * 8, prompts(1, seed=3)[0] * 2]
     accepted = {}
     for lookup in (0, 4):
-        eng = engine(tiny_dirs, heads, "mtp3", lookup=lookup)
+        eng = engine(tiny_dirs, heads, mode, lookup=lookup)
         results = eng.generate(ps, SamplingParams(max_tokens=40, ignore_eos=True))
         assert [r.token_ids for r in results] == greedy_reference(ps, 40)
         accepted[lookup] = sum(r.stats.get("accepted_tokens", 0) for r in results)
     assert accepted[4] > accepted[0] + 10, accepted
 
 
-@pytest.mark.parametrize("mode", ["mtp1", "mtp3", "eagle"])
+@pytest.mark.parametrize("mode", ["mtp1", "mtp3", "eagle", "draft3"])
 def test_sampling_with_a_lookup_branch_keeps_the_target_distribution(tiny_dirs, heads, mode):
     """The first 5 tokens against their exact law (vocab 6: the prompt's own tokens recur, so
     the first decode steps verify branches; the counter says they did)."""
@@ -145,9 +154,32 @@ def test_the_law_test_rejects_a_broken_verifier_of_branched_steps(tiny_dirs, hea
     assert rejected, pvalues
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram", "none"])
-def test_a_branch_needs_a_head_drafter(tiny_dirs, method):
-    spec = SpecConfig(method=method, lookup_branch=4, draft_model=str(tiny_dirs["draft"]) if method == "draft" else None)
+def test_the_draft_model_re_runs_what_the_branch_produced(tiny_dirs, heads, greedy_reference):
+    """The target as its own draft (bf16: q = p) drafts exactly what the target decodes, as
+    long as its KV holds the sequence: its first draft is the target's next token, so every
+    speculative step accepts at least one draft. A step whose walk followed the branch leaves
+    the draft's chain, not the copy, at those positions in the draft's KV: unless its catch-up
+    re-runs the produced tokens, its next drafts read the wrong KV and miss."""
+    ps = [[7, 8, 9, 10] * 5, [21, 22] * 8, prompts(1, seed=3)[0] * 2, prompts(1, seed=4)[0] * 3]
+    eng = engine(tiny_dirs, heads, "draft3", lookup=4, draft="target")
+    steps, observe = [], eng.executor.proposer.observe
+
+    def recording(finished):
+        steps.extend((out.num_drafts, out.num_accepted, out.token_ids) for s, out, _ in finished.followed()
+                     if out.num_drafts)
+        observe(finished)
+    eng.executor.proposer.observe = recording
+    results = eng.generate(ps, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert [r.token_ids for r in results] == greedy_reference(ps, 40)
+    followed_branch = [a for d, a, _ in steps if d > 3]  # deeper than the chain: the branch's path
+    assert any(a > 3 for a in followed_branch), "no step accepted more than the chain could"
+    missed = [step for step in steps if step[1] == 0]
+    assert not missed, f"{len(missed)} of {len(steps)} steps accepted no draft: {missed[:5]}"
+
+
+@pytest.mark.parametrize("method", ["ngram", "none"])
+def test_a_branch_needs_a_model_drafter(tiny_dirs, method):
+    spec = SpecConfig(method=method, lookup_branch=4)
     eng_config = EngineConfig(model=str(tiny_dirs["target"]), spec=spec)
-    with pytest.raises(ValueError, match="lookup_branch 4: a lookup branch is verified beside an MTP head"):
+    with pytest.raises(ValueError, match="lookup_branch 4: a lookup branch is verified beside a model drafter"):
         build_proposer(eng_config, None)

@@ -13,6 +13,14 @@ def test_lookup_continues_the_latest_match_of_the_longest_suffix():
     assert lookup([4, 5, 6], 2, 1, 3) == []
 
 
+def test_a_match_that_runs_into_the_end_repeats_its_period():
+    # "9 4 5" three back: the copy is 9 4 5 again, and again (period 3), not 3 tokens only.
+    assert lookup([1, 9, 4, 5, 9, 4, 5], 7, 1, 3) == [9, 4, 5, 9, 4, 5, 9]
+    assert lookup([2, 7, 7], 4, 1, 3) == [7, 7, 7, 7]  # a 1-token loop: "7" one back
+    assert lookup([1, 2, 3, 1, 2], 2, 1, 3) == [3, 1]  # room before the end: as before
+    assert lookup([1, 2, 3, 1, 2], 5, 1, 3) == [3, 1, 2, 3, 1]
+
+
 def test_history_keeps_accepted_drafts_and_restarts_after_a_recompute():
     ngram = NgramProposer(vocab_size=100)
 

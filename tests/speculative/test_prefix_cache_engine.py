@@ -95,7 +95,7 @@ def test_greedy_outputs_and_drafts_are_the_same_with_the_cache_on_and_off(tiny_d
         assert [s for _, s in on] == [s for _, s in off]
 
 
-@pytest.mark.parametrize("method", ["mtp", "eagle"])
+@pytest.mark.parametrize("method", ["mtp", "eagle", "draft"])
 def test_a_lookup_branch_copies_from_a_cached_prefix(tiny_dirs, heads, plain_outputs, method):
     waves = shared_prefix_waves()
     off = run_waves(engine(tiny_dirs, heads, method, prefix_caching=False, lookup_branch=4), waves)
