@@ -15,9 +15,12 @@ The verified shape, per sequence that drafts this step and finds a lookup of L' 
 nodes 1..b are the head's (a chain: node i's parent is node i-1; a tree: its own shape), nodes
 b+1..b+L' the branch (a chain from the root). The branch's first node is tried FIRST among
 the root's children: when its token is the target's choice the walk follows the copy, which
-runs longer than the head's chain where both start right; otherwise the head's children are
-tried as before. Trying it first changes which candidates are verified, never what is emitted:
-verify_tree's residual rule accepts any fixed order of one-hot drafts losslessly (tree.py).
+usually runs longer than the head's chain where both start right; otherwise the head's
+children are tried as before. Trying it first changes which candidates are verified, never
+what is emitted: verify_tree's residual rule accepts any fixed order of one-hot drafts
+losslessly (tree.py). A greedy walk (verify_tree_greedy) takes, of two children with the
+target's token, the one whose matches run deeper: a short copy no longer cuts a longer
+right chain of the head's.
 
 Sampled requests: the tree verifier treats every draft as one-hot, the head's sampled MTP
 drafts too. That stays exact (a draft x accepted with probability p(x), else the token drawn
@@ -31,9 +34,10 @@ accepted head draft would. The draft model (draft_target.py) catches up from the
 it has not run through its own KV, trusting the KV of its accepted drafts: after a step whose
 walk followed the branch those positions hold its chain, not the accepted copy, so it is told
 that none of its drafts was accepted (`_as_the_chain_saw_it`) and re-runs every produced token.
-The walk followed the branch exactly when a draft was accepted and the first produced token is
-the branch's first: the branch is tried first at the root, and once refused its token leaves
-the residual, so no later child with the same token is accepted.
+A walk that followed the branch accepted a draft and produced the branch's first token first
+(a sampled walk then always followed it: the branch is tried first at the root, and once
+refused its token leaves the residual; a greedy walk may have taken the chain's equal
+token): such a step re-runs, at worst a few rows the draft already held.
 
 Rows: the scheduler reserves SeqWork.lookup_rows slots beyond the drafts (its room before
 max_tokens and the context end), and the branch never takes more. A branch is taken only after
@@ -168,15 +172,15 @@ class LookupBranch:
 
     def _as_the_chain_saw_it(self, finished: FinishedStep) -> FinishedStep:
         """The step's outputs as the inner drafter's chain saw them: on a branched step, its own
-        drafts (k) and how many of them were accepted: none where the walk followed the branch,
-        else the path's length (a path along the chain never runs past k)."""
+        drafts (k) and how many of them were accepted: none where the walk may have followed
+        the branch, else the path's length (a path along the chain never runs past k)."""
         outputs = []
         for s, out in zip(finished.seqs, finished.outputs):
             chain = self.branched.pop((s.seq_id, s.start_pos), None)
             if chain is not None:
                 k, branch_first = chain
-                followed_branch = out.num_accepted > 0 and out.token_ids[0] == branch_first
-                out = SeqOutput(out.seq_id, out.token_ids, k, 0 if followed_branch else out.num_accepted)
+                maybe_branch = out.num_accepted > 0 and out.token_ids[0] == branch_first
+                out = SeqOutput(out.seq_id, out.token_ids, k, 0 if maybe_branch else out.num_accepted)
             outputs.append(out)
         return dataclasses.replace(finished, outputs=outputs)
 

@@ -150,6 +150,23 @@ def verify_tree(
     return out, num_accepted, path
 
 
+def _matching_depths(target_best: torch.Tensor, node_tokens: torch.Tensor, parents: torch.Tensor,
+                     children: torch.Tensor, depth: int) -> torch.Tensor:
+    """[B, N+1] i64: for each node, how many nodes the longest path down from it takes where
+    every node holds its parent's argmax (0: the node itself does not; the root counts as
+    matching). target_best [B, N+1], node_tokens [B, N+1], parents [B, N], children
+    [B, N+1, C] (0 = none). Built bottom-up: after i rounds the paths of up to i nodes."""
+    b, c = children.shape[0], children.shape[2]
+    matches = torch.cat([torch.ones_like(parents[:, :1], dtype=torch.bool),
+                         node_tokens[:, 1:] == target_best.gather(1, parents)], dim=1).long()  # [B, N+1]
+    reach = matches
+    for _ in range(depth):
+        below = reach.gather(1, children.view(b, -1)).view(b, -1, c)  # [B, N+1, C]
+        below = torch.where(children > 0, below, 0).amax(dim=2)
+        reach = matches * (1 + below)
+    return reach
+
+
 def verify_tree_greedy(
     target_best: torch.Tensor,  # [B, N+1] i64: the target's argmax after the root (0) and each node
     tokens: torch.Tensor,  # [B, N] i64 node tokens
@@ -159,20 +176,26 @@ def verify_tree_greedy(
     max_children: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """verify_tree when every request is greedy: p is one-hot at the target's argmax, so a
-    child is accepted iff its token is that argmax (the first such child in sibling order),
-    a refused child leaves the residual as it was, and the extra token is the argmax at the
-    end of the path. No [B, N+1, V] probabilities, no noise: an argmax walk over depth.
-    Same outputs as verify_tree on one-hot p."""
+    child is accepted iff its token is that argmax, a refused child leaves the residual as it
+    was, and the extra token is the argmax at the end of the path. No [B, N+1, V]
+    probabilities, no noise: an argmax walk over depth.
+
+    Where several children hold the argmax (a lookup branch beside the head's drafts can
+    repeat a head token, lookup_branch.py), the walk takes the one whose matching subtree runs
+    deepest, the first in sibling order on ties. Every path of matching nodes spells the same
+    tokens, the target's greedy continuation, so the choice changes how many are accepted,
+    never which: the output is verify_tree's on one-hot p, or longer where verify_tree's first
+    match ran shorter."""
     b = tokens.shape[0]
     rows, children, node_tokens, current, num_accepted, path = _walk_start(tokens, parents, order, depth,
                                                                          max_children)
+    reach = _matching_depths(target_best, node_tokens, parents, children, depth)  # [B, N+1]
     for d in range(depth):
         # A walk that stopped stays stopped: its node and the argmax after it do not change.
         kids = children[rows, current]  # [B, C], 0 = no child
-        want = target_best.gather(1, current[:, None])  # [B, 1]
-        match = (kids > 0) & (node_tokens.gather(1, kids) == want)
-        took = match.any(dim=1)
-        child = kids.gather(1, match.long().argmax(dim=1, keepdim=True))[:, 0]  # the first match
+        runs = torch.where(kids > 0, reach.gather(1, kids), 0)  # [B, C]: 0 = not the argmax
+        took = (runs > 0).any(dim=1)
+        child = kids.gather(1, runs.argmax(dim=1, keepdim=True))[:, 0]  # deepest, first on ties
         current = torch.where(took, child, current)
         path[:, d] = torch.where(took, child, path[:, d])
         num_accepted += took.long()

@@ -136,7 +136,11 @@ def test_greedy_tree_walk_equals_the_walk_on_one_hot_p(shape):
     """verify_tree_greedy (the executor's all-greedy path: argmaxes, no probabilities) gives
     verify_tree's tokens, counts and paths on one-hot p, for random trees over a tiny
     vocabulary (many matches, repeated sibling tokens), and for rows whose tree nobody can
-    enter (every node its own parent: a plainly decoding row beside the trees)."""
+    enter (every node its own parent: a plainly decoding row beside the trees); except where
+    two siblings hold the argmax and the later one's matches run deeper: there it accepts
+    more, along a path where every node holds the argmax after its parent. (Random argmaxes
+    per node: a real target gives two nodes with the same tokens above them the same
+    argmax, so there both paths spell the same tokens.)"""
     b, n, gen = 3000, shape.size, torch.Generator().manual_seed(5)
     best = torch.randint(0, VOCAB, (b, n + 1), generator=gen)
     tokens = torch.randint(0, VOCAB, (b, n), generator=gen)
@@ -148,10 +152,33 @@ def test_greedy_tree_walk_equals_the_walk_on_one_hot_p(shape):
     walked = verify_tree(one_hot, tokens, parents, order, shape.depth, shape.max_children(),
                          torch.arange(b), torch.full((b,), 7))
     greedy = verify_tree_greedy(best, tokens, parents, order, shape.depth, shape.max_children())
+    same = greedy[1] == walked[1]
     for a, g in zip(walked, greedy):
-        assert torch.equal(a, g)
+        assert torch.equal(a[same], g[same])
+    assert bool((greedy[1] >= walked[1]).all())
+    for row in (~same).nonzero()[:, 0].tolist():
+        a, path = int(greedy[1][row]), greedy[2][row]
+        assert greedy[0][row, :a].tolist() == tokens[row, path[:a] - 1].tolist()
+        nodes = [0] + path[:a].tolist()  # each accepted node holds the argmax after its parent
+        assert greedy[0][row, :a + 1].tolist() == [int(best[row, v]) for v in nodes]
+    if shape.max_children() > 1:
+        assert int((~same).sum()) > 0  # repeated sibling tokens: the deeper one was taken
     assert greedy[1].float().mean() > 0.1 and int((greedy[1] == shape.depth).sum()) > 0
     assert int(greedy[1][closed].sum()) == 0
+
+
+def test_greedy_walk_takes_the_deeper_of_two_matching_siblings():
+    """A lookup branch (tried first) and the head's child with the same token: the branch
+    stops after one node, the head's chain matches three deep."""
+    parents = torch.tensor([[0, 1, 2, 0]])  # nodes 1-3: the head's chain; node 4: the branch
+    order = torch.tensor([[1, 0, 0, 0]])  # the branch is tried first at the root
+    tokens = torch.tensor([[5, 6, 7, 5]])
+    best = torch.tensor([[5, 6, 7, 8, 9]])  # argmax after root, 1, 2, 3, 4
+    out, accepted, path = verify_tree_greedy(best, tokens, parents, order, 3, 2)
+    assert accepted.tolist() == [3] and path.tolist() == [[1, 2, 3]] and out.tolist() == [[5, 6, 7, 8]]
+    best[0, 1] = 0  # the chain's second node misses: tie at one node each, the branch (first) wins
+    out, accepted, path = verify_tree_greedy(best, tokens, parents, order, 3, 2)
+    assert accepted.tolist() == [1] and path[0, 0].item() == 4 and out[0, :2].tolist() == [5, 9]
 
 
 def test_tree_shapes():
