@@ -1,6 +1,7 @@
 """Compiled CPU kernels, batch-invariant by construction: the bf16 linear (linear_bf16.cpp
 says why), the drafters' weight-only int8 linear (linear_int8.cpp), paged attention
-(attention.cpp) and the small per-layer ops fused (layer_ops.cpp).
+(attention.cpp), the small per-layer ops fused (layer_ops.cpp) and the greedy tree walk
+(tree_walk.cpp).
 
 Built once per ISA variant with the machine's C++ compiler through torch's extension
 builder, cached on disk (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions); later
@@ -22,7 +23,8 @@ from pathlib import Path
 import torch
 
 SOURCES = [str(Path(__file__).with_name(n))
-           for n in ("bindings.cpp", "linear_bf16.cpp", "linear_int8.cpp", "attention.cpp", "layer_ops.cpp")]
+           for n in ("bindings.cpp", "linear_bf16.cpp", "linear_int8.cpp", "attention.cpp", "layer_ops.cpp",
+                     "tree_walk.cpp")]
 
 # variant id → (name, compiler flags, CPU flags it needs)
 VARIANTS = {
@@ -231,3 +233,11 @@ def spread_columns(sub: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Te
     """sub [R, N] f32, ids [N] i64 ascending → [R, vocab] f32: sub's columns at ids, -inf
     elsewhere, in one pass on the calling thread (layer_ops.cpp)."""
     return _library().spread_columns(sub, ids, vocab)
+
+
+def tree_walk_greedy(target_best: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, order: torch.Tensor,
+                     depth: int, max_children: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """speculative.tree.verify_tree_greedy's walk on CPU i64 tensors in one call, the same
+    outputs (tree_walk.cpp): (tokens [B, D+1], num_accepted [B], path [B, D])."""
+    out, accepted, path = _library().tree_walk_greedy(target_best, tokens, parents, order, depth, max_children)
+    return out, accepted, path

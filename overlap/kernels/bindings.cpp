@@ -18,6 +18,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t rot_heads, int64_t head_dim);
 torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor spread_columns(torch::Tensor sub, torch::Tensor ids, int64_t vocab);
+std::vector<torch::Tensor> tree_walk_greedy(torch::Tensor target_best, torch::Tensor tokens, torch::Tensor parents,
+                                            torch::Tensor order, int64_t depth, int64_t max_children);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight", &pack_weight, "a weight [N, K] in the linear kernel's packed layout");
@@ -34,4 +36,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, "rotary embedding in place on q and k heads (layer_ops.cpp)");
   m.def("spread_columns", &spread_columns, "a trimmed vocabulary's scores into full rows, -inf elsewhere (layer_ops.cpp)");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of f32 rows, vectorised (layer_ops.cpp)");
+  m.def("tree_walk_greedy", &tree_walk_greedy, "verify_tree_greedy's walk in one call (tree_walk.cpp)");
 }

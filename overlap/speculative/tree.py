@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from overlap.kernels import tree_walk_greedy
 from overlap.sampling import NOISE_SAMPLE, NOISE_TREE, race, uniform_noise
 
 
@@ -174,6 +175,7 @@ def verify_tree_greedy(
     order: torch.Tensor,  # [B, N] i64 index among siblings
     depth: int,
     max_children: int,
+    torch_only: bool = False,  # the torch ops even on the CPU (tests compare them with the kernel)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """verify_tree when every request is greedy: p is one-hot at the target's argmax, so a
     child is accepted iff its token is that argmax, a refused child leaves the residual as it
@@ -186,6 +188,10 @@ def verify_tree_greedy(
     tokens, the target's greedy continuation, so the choice changes how many are accepted,
     never which: the output is verify_tree's on one-hot p, or longer where verify_tree's first
     match ran shorter."""
+    if tokens.device.type == "cpu" and not torch_only:
+        # One compiled call, the same outputs (the torch ops below: ~100 calls of a few
+        # microseconds each for a depth-8 tree; tests compare the two).
+        return tree_walk_greedy(target_best, tokens, parents, order, depth, max_children)
     b = tokens.shape[0]
     rows, children, node_tokens, current, num_accepted, path = _walk_start(tokens, parents, order, depth,
                                                                          max_children)

@@ -167,18 +167,44 @@ def test_greedy_tree_walk_equals_the_walk_on_one_hot_p(shape):
     assert int(greedy[1][closed].sum()) == 0
 
 
-def test_greedy_walk_takes_the_deeper_of_two_matching_siblings():
+@pytest.mark.parametrize("torch_only", [False, True], ids=["kernel", "torch"])
+def test_greedy_walk_takes_the_deeper_of_two_matching_siblings(torch_only):
     """A lookup branch (tried first) and the head's child with the same token: the branch
     stops after one node, the head's chain matches three deep."""
     parents = torch.tensor([[0, 1, 2, 0]])  # nodes 1-3: the head's chain; node 4: the branch
     order = torch.tensor([[1, 0, 0, 0]])  # the branch is tried first at the root
     tokens = torch.tensor([[5, 6, 7, 5]])
     best = torch.tensor([[5, 6, 7, 8, 9]])  # argmax after root, 1, 2, 3, 4
-    out, accepted, path = verify_tree_greedy(best, tokens, parents, order, 3, 2)
+    out, accepted, path = verify_tree_greedy(best, tokens, parents, order, 3, 2, torch_only=torch_only)
     assert accepted.tolist() == [3] and path.tolist() == [[1, 2, 3]] and out.tolist() == [[5, 6, 7, 8]]
     best[0, 1] = 0  # the chain's second node misses: tie at one node each, the branch (first) wins
-    out, accepted, path = verify_tree_greedy(best, tokens, parents, order, 3, 2)
+    out, accepted, path = verify_tree_greedy(best, tokens, parents, order, 3, 2, torch_only=torch_only)
     assert accepted.tolist() == [1] and path[0, 0].item() == 4 and out[0, :2].tolist() == [5, 9]
+
+
+@pytest.mark.parametrize("shape", [DEPTH3, TreeShape.default(3, 2, 8), TreeShape.default(4, 3, 12),
+                                   TreeShape(((0,), (0, 0), (0, 0, 0)))])
+def test_the_compiled_greedy_walk_equals_the_torch_ops(shape):
+    """kernels.tree_walk_greedy (tree_walk.cpp, what the CPU runs) against the torch ops of
+    verify_tree_greedy (what CUDA runs), on random trees over a tiny vocabulary with repeated
+    sibling tokens, closed rows, a branch of 8 beside the tree (deeper than it, tried first,
+    as lookup_branch.py lays it out) and a walk as deep as the tree or deeper."""
+    b, n, gen = 2000, shape.size, torch.Generator().manual_seed(11)
+    branch = 8
+    parents = torch.tensor(shape.parents() + [0] + [n + 1 + i for i in range(branch - 1)]).repeat(b, 1)
+    order = torch.tensor([o + (p == 0) for p, o in zip(shape.parents(), shape.sibling_order())]
+                         + [0] * branch).repeat(b, 1)
+    closed = torch.rand(b, generator=gen) < 0.1
+    parents[closed] = torch.arange(1, n + branch + 1)
+    order[closed] = 0
+    best = torch.randint(0, VOCAB, (b, n + branch + 1), generator=gen)
+    tokens = torch.randint(0, VOCAB, (b, n + branch), generator=gen)
+    for depth in (branch, branch + 2):
+        compiled = verify_tree_greedy(best, tokens, parents, order, depth, shape.max_children() + 1)
+        ops = verify_tree_greedy(best, tokens, parents, order, depth, shape.max_children() + 1, torch_only=True)
+        for a, g in zip(compiled, ops):
+            assert torch.equal(a, g)
+        assert int((compiled[1] > shape.depth).sum()) > 0  # walks down the branch past the tree
 
 
 def test_tree_shapes():
