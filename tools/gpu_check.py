@@ -530,15 +530,19 @@ def _random_model(shapes: dict, seed: int, model_dir: str | None = None):
     return model.eval()
 
 
-def _engine_run(model, backend: str, spec: str = "none", k: int = 3, prompts=None, tokens: int = 32, **kw):
-    """Greedy tokens of `prompts` through the in-process engine → (tokens, stats, executor)."""
+def _engine_run(model, backend: str, spec: str = "none", k: int = 3, prompts=None, tokens: int = 32,
+                lookup: int = 0, **kw):
+    """Greedy tokens of `prompts` through the in-process engine → (tokens, stats, executor).
+    lookup: a lookup branch of that many tokens beside the drafter's drafts (1-token matches,
+    so that the random model's repetitions branch on many steps)."""
     from overlap.config import CacheConfig, EngineConfig, SpecConfig, default_draft_dir, default_head_dir
     from runtime.engine import Engine
     from runtime.messages import SamplingParams
 
     spec_cfg = SpecConfig(method=spec, num_spec_tokens=None if spec == "eagle" else k,
                           draft_model=str(default_draft_dir()) if spec == "draft" else None,
-                          head=str(default_head_dir()) if spec in ("mtp", "eagle") else None)
+                          head=str(default_head_dir()) if spec in ("mtp", "eagle") else None,
+                          lookup_branch=lookup, lookup_min_match=1)
     config = EngineConfig(device=DEVICE, attention_backend=backend, spec=spec_cfg,
                           cache=CacheConfig(page_size=16, num_pages=1024), **kw)
     engine = Engine.from_model(config, model, _NoTokenizer())
@@ -597,13 +601,18 @@ def check_e2e(args) -> list[Row]:
     backend = "auto" if DEVICE == "cuda" and flashinfer_problem() is None else ("torch" if DEVICE == "cuda" else "cpu")
     base, t_base, _ = _engine_run(model, backend)
     rows = [Row("e2e", f"spec none ({backend})", True, t_base)]
-    for spec, k in (("draft", 3), ("mtp", 1), ("mtp", 3), ("eagle", 0)):
+    # The lookup branch (lookup_branch.py) beside each model drafter: its tokens staged from the
+    # host and merged on the device, tree verification with the torch tree walk (the CPU runs
+    # tree_walk.cpp instead), and the draft model's catch-up after a branch was followed.
+    for spec, k, lookup in (("draft", 3, 0), ("mtp", 1, 0), ("mtp", 3, 0), ("eagle", 0, 0),
+                            ("draft", 3, 4), ("mtp", 3, 4), ("eagle", 0, 4)):
+        label = f"spec {spec}{k or ''}" + (f" +lookup {lookup}" if lookup else "")
         try:
-            out, stats, _ = _engine_run(model, backend, spec=spec, k=k)
-            rows.append(Row("e2e", f"spec {spec}{k or ''} == none (greedy)", out == base, stats))
+            out, stats, _ = _engine_run(model, backend, spec=spec, k=k, lookup=lookup)
+            rows.append(Row("e2e", f"{label} == none (greedy)", out == base, stats))
         except Exception as exc:
             traceback.print_exc()
-            rows.append(Row("e2e", f"spec {spec}{k or ''}", False, {"error": f"{type(exc).__name__}: {exc}"[:200]}))
+            rows.append(Row("e2e", label, False, {"error": f"{type(exc).__name__}: {exc}"[:200]}))
     return rows
 
 
@@ -640,7 +649,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", default="gpu_check_report.json", help="JSON report path")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a smoke run of executor/e2e
     args = parser.parse_args(argv)
-    args.cpu_shapes = dict(SMOL_SHAPES, num_layers=2)  # the shipped drafters' widths, fewer layers
+    # The shipped drafters' widths with the fewest layers the shipped head can read (it fuses
+    # target layers 2, 15 and 27: a 2-layer target failed its mtp and eagle rows here).
+    args.cpu_shapes = dict(SMOL_SHAPES, num_layers=28)
     args.dtypes = [d for d in args.dtypes.split(",") if d]
     sections = [s for s in args.sections.split(",") if s]
     unknown = [s for s in sections if s not in SECTIONS] + [d for d in args.dtypes if d not in DTYPES]
