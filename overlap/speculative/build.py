@@ -49,6 +49,10 @@ def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | 
                          f"drafter's drafts (draft, mtp or eagle), not with {spec.method!r}; 0 turns it off")
     if spec.lookup_min_match < 1:
         raise ValueError(f"spec.lookup_min_match {spec.lookup_min_match}: the branch needs a match of >= 1 token")
+    if not 1 <= spec.ngram_min <= spec.ngram_max:
+        # An empty suffix "matches" one token back: every lookup would copy the last token.
+        raise ValueError(f"spec.ngram_min {spec.ngram_min} / ngram_max {spec.ngram_max}: lookups match "
+                         "1 <= ngram_min <= ngram_max tokens")
     if spec.method == "none":
         return None
     if spec.method == "ngram":

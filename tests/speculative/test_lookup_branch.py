@@ -10,6 +10,8 @@ import pytest
 
 from overlap.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from overlap.speculative.build import build_proposer
+from overlap.batch import BatchPlan, SeqOutput, SeqWork
+from overlap.speculative.base import DraftLayout, FinishedStep
 from overlap.speculative.lookup_branch import BranchedLayout, LookupBranch
 from runtime.engine import Engine
 from runtime.messages import SamplingParams
@@ -177,9 +179,60 @@ def test_the_draft_model_re_runs_what_the_branch_produced(tiny_dirs, heads, gree
     assert not missed, f"{len(missed)} of {len(steps)} steps accepted no draft: {missed[:5]}"
 
 
+class _RecordingChain:
+    """A stand-in draft proposer: a chain of k drafts, and the outputs its catch-up is shown."""
+
+    name, state_on_host, trusts_own_drafts = "chain", False, True
+
+    def __init__(self, k: int):
+        self.k, self.seen = k, []
+
+    def plan(self, batch, sampled, ks, wait):
+        return DraftLayout.chains([self.k if k else 0 for k in ks])
+
+    def catch_up(self, finished):
+        self.seen.append([(o.num_drafts, o.num_accepted) for o in finished.outputs])
+
+    def release(self, seq_ids):
+        pass
+
+
+@pytest.mark.parametrize("produced,accepted,seen", [
+    ([8, 9, 6, 3], 3, (2, 0)),   # the walk took the branch (8 9 6): no draft of the chain counts
+    ([5, 1], 1, (2, 1)),         # the chain's first draft (5, not the branch's 8): as the chain saw it
+    ([8, 2], 1, (2, 0)),         # the branch's first token: the walk may have taken either, re-run
+    ([4], 0, (2, 0)),            # nothing accepted
+])
+def test_the_draft_hears_whether_the_walk_may_have_followed_the_branch(produced, accepted, seen):
+    """LookupBranch tells a drafter that trusts its own drafts' KV (the draft model) how many of
+    ITS drafts a branched step accepted: its chain's k, and none where the produced tokens
+    start with the branch's first token (module doc); a sequence without a branch and an
+    unbranched step pass through unchanged."""
+    inner = _RecordingChain(k=2)
+    branch = LookupBranch(inner, length=4, n_min=1, n_max=3)
+    branch.history = {0: [7, 8, 9, 6, 7], 1: [1, 2, 3]}  # seq 0: "7" was followed by 8 9 6 7; seq 1: no match
+    seqs = [SeqWork(0, [7], 4, [0], True, num_spec_tokens=2, draft=True, lookup_rows=4),
+            SeqWork(1, [3], 2, [1], True, num_spec_tokens=2, draft=True, lookup_rows=4)]
+    layout = branch.plan(BatchPlan(1, seqs), seqs, [2, 2], lambda: None)
+    assert isinstance(layout, BranchedLayout) and layout.tokens == [[-1, -1, 8, 9, 6, 7], [-1, -1]]
+    outputs = [SeqOutput(0, produced, max(layout.depths[0]), accepted), SeqOutput(1, [5, 6], 2, 1)]
+    branch.catch_up(FinishedStep(seqs, outputs, [0, 1 + 6]))
+    assert inner.seen == [[seen, (2, 1)]]
+    assert branch.branched == {}  # read once, at the step's catch-up
+
+
 @pytest.mark.parametrize("method", ["ngram", "none"])
 def test_a_branch_needs_a_model_drafter(tiny_dirs, method):
     spec = SpecConfig(method=method, lookup_branch=4)
     eng_config = EngineConfig(model=str(tiny_dirs["target"]), spec=spec)
     with pytest.raises(ValueError, match="lookup_branch 4: a lookup branch is verified beside a model drafter"):
         build_proposer(eng_config, None)
+
+
+@pytest.mark.parametrize("method,ngram", [("ngram", (0, 3)), ("mtp", (0, 3)), ("ngram", (3, 2))])
+def test_lookups_need_a_suffix_of_at_least_one_token(tiny_dirs, method, ngram):
+    """ngram_min 0 would match the empty suffix one token back: every lookup a copy of the
+    last token, repeated to the length asked for."""
+    spec = SpecConfig(method=method, ngram_min=ngram[0], ngram_max=ngram[1])
+    with pytest.raises(ValueError, match="lookups match 1 <= ngram_min <= ngram_max tokens"):
+        build_proposer(EngineConfig(model=str(tiny_dirs["target"]), spec=spec), None)

@@ -163,8 +163,26 @@ def test_greedy_tree_walk_equals_the_walk_on_one_hot_p(shape):
         assert greedy[0][row, :a + 1].tolist() == [int(best[row, v]) for v in nodes]
     if shape.max_children() > 1:
         assert int((~same).sum()) > 0  # repeated sibling tokens: the deeper one was taken
+    assert greedy[1].tolist() == _deepest_matching_paths(best, tokens, parents, shape.depth)
     assert greedy[1].float().mean() > 0.1 and int((greedy[1] == shape.depth).sum()) > 0
     assert int(greedy[1][closed].sum()) == 0
+
+
+def _deepest_matching_paths(best: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depth: int) -> list[int]:
+    """Per row, by brute force: the most nodes on a path down from the root (at most `depth`)
+    where every node holds the argmax after its parent."""
+    out = []
+    for b_row, t_row, p_row in zip(best.tolist(), tokens.tolist(), parents.tolist()):
+        kids: dict[int, list[int]] = {}
+        for node, parent in enumerate(p_row, start=1):
+            if parent != node:  # a closed node (its own parent) is nobody's child
+                kids.setdefault(parent, []).append(node)
+
+        def longest(node: int, left: int) -> int:
+            return max([1 + longest(c, left - 1) for c in kids.get(node, [])
+                        if left > 0 and t_row[c - 1] == b_row[node]] or [0])
+        out.append(longest(0, depth))
+    return out
 
 
 @pytest.mark.parametrize("torch_only", [False, True], ids=["kernel", "torch"])
