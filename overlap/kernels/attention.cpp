@@ -124,8 +124,8 @@ inline float dot(const float* q, const float* k, int64_t dim) {
   float part[LANES] = {0};
   int64_t d = 0;
   for (; d + LANES <= dim; d += LANES)
-    for (int l = 0; l < LANES; ++l) part[l] += q[d + l] * k[d + l];
-  for (int l = 0; d < dim; ++d, ++l) part[l] += q[d] * k[d];
+    for (int l = 0; l < LANES; ++l) part[l] = std::fma(q[d + l], k[d + l], part[l]);
+  for (int l = 0; d < dim; ++d, ++l) part[l] = std::fma(q[d], k[d], part[l]);
   for (int w = LANES / 2; w > 0; w /= 2)
     for (int l = 0; l < w; ++l) part[l] += part[l + w];
   return part[0];
@@ -182,7 +182,7 @@ void attend_reference(const Inputs<T>& in, const Block& blk, Scratch& s) {
       for (int64_t g = 0; g < group; ++g) {
         const float p = s.scores[(ii * group + g) * span + j];
         float* a = s.acc.data() + (ii * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) a[d] += p * s.vf[d];
+        for (int64_t d = 0; d < dim; ++d) a[d] = std::fma(p, s.vf[d], a[d]);
       }
     }
   }
@@ -208,6 +208,7 @@ inline V16 vset1(float x) { return _mm512_set1_ps(x); }
 inline V16 vadd(V16 a, V16 b) { return _mm512_add_ps(a, b); }
 inline V16 vsub(V16 a, V16 b) { return _mm512_sub_ps(a, b); }
 inline V16 vmul(V16 a, V16 b) { return _mm512_mul_ps(a, b); }
+inline V16 vfma(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c, one rounding
 inline V16 vexp(V16 x) { return overlap::fixed_exp16(x); }
 inline void vstore(float* p, V16 v) { _mm512_storeu_ps(p, v); }
 
@@ -274,6 +275,7 @@ inline V16 vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 inline V16 vadd(V16 a, V16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline V16 vsub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
 inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline V16 vfma(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 inline V16 vexp(V16 x) { return {overlap::fixed_exp8(x.lo), overlap::fixed_exp8(x.hi)}; }
 inline void vstore(float* p, V16 v) {
   _mm256_storeu_ps(p, v.lo);
@@ -353,7 +355,7 @@ inline void score16(const float* q, const float* kf, float scale, float* out) {
   for (int c = 0; c < C; ++c) qv[c] = load16(q + 16 * c);
   for (int k = 0; k < 16; ++k) {
     V16 part = vzero();  // dot()'s zero start (keeps the sign of a zero sum)
-    for (int c = 0; c < C; ++c) part = vadd(part, vmul(qv[c], load16(kf + (k * C + c) * 16)));
+    for (int c = 0; c < C; ++c) part = vfma(qv[c], load16(kf + (k * C + c) * 16), part);
     P[k] = fold(part);
   }
   vstore(out, vmul(reduce16(P), vset1(scale)));
@@ -404,7 +406,7 @@ void weigh_values(const Inputs<T>& in, const Block& blk, const float* scores, in
       const float pj = p[t * stride + j];
       total[t] += pj;
       const V16 pb = vset1(pj);
-      for (int c = 0; c < C; ++c) acc[t][c] = vadd(acc[t][c], vmul(pb, vj[c]));
+      for (int c = 0; c < C; ++c) acc[t][c] = vfma(pb, vj[c], acc[t][c]);
     }
   }
   for (int t = 0; t < NT; ++t) {
@@ -477,10 +479,26 @@ auto choose_attend(int64_t dim, bool reference) -> void (*)(const Inputs<T>&, co
   return attend_reference<T>;
 }
 
+// Query rows per task: up to 16, as a block's rows share each key and value load, but fewer
+// when the step has so few tasks that the pool's threads would get unequal shares: one
+// sequence's 14-row tree verify is 3 tasks (one per kv head), and on 2 threads one thread
+// did two while the other idled half the call. Blocks are then cut until the task count
+// divides among the threads (14 rows: 2 blocks of 7, 6 tasks).
+int64_t block_rows(int64_t num_seqs, int64_t max_q_len, int64_t kv_heads, int64_t threads) {
+  int64_t blocks = (max_q_len + 15) / 16;
+  const int64_t per_block = num_seqs * kv_heads;
+  if (per_block < 4 * threads)
+    while (blocks < max_q_len && (per_block * blocks) % threads != 0) ++blocks;
+  return (max_q_len + blocks - 1) / blocks;
+}
+
 template <typename T>
-void run(const Inputs<T>& in, int64_t num_seqs, int64_t rows_per_task, bool reference) {
+void run(const Inputs<T>& in, int64_t num_seqs, bool reference) {
   // Tasks: (sequence, kv head, block of query rows). The rows of a block share each key and
   // value load; the split never changes a row's own arithmetic.
+  int64_t max_q_len = 1;
+  for (int64_t b = 0; b < num_seqs; ++b) max_q_len = std::max<int64_t>(max_q_len, in.q_len[b]);
+  const int64_t rows_per_task = block_rows(num_seqs, max_q_len, in.kv_heads, overlap::pool().threads());
   std::vector<int64_t> task_seq, task_row;
   for (int64_t b = 0; b < num_seqs; ++b)
     for (int64_t r = 0; r < in.q_len[b]; r += rows_per_task) {
@@ -522,14 +540,13 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   TORCH_CHECK(heads % kv_heads == 0, "paged_attention: heads must be a multiple of kv heads");
   const bool has_tree = tree.defined() && tree.numel() > 0;
   if (has_tree) TORCH_CHECK(tree.scalar_type() == torch::kBool && tree.is_contiguous() && tree.size(0) == q.size(0));
-  const int64_t rows_per_task = 16;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     const Inputs<scalar_t> in{q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                               out.data_ptr<scalar_t>(), q_start.data_ptr<int32_t>(), q_len.data_ptr<int32_t>(),
                               kv_len.data_ptr<int32_t>(), page_table.data_ptr<int32_t>(), page_table.size(1),
                               page_size, has_tree ? tree.data_ptr<bool>() : nullptr, has_tree ? tree.size(1) : 0,
                               heads, kv_heads, dim, float(scale)};
-    run<scalar_t>(in, q_start.size(0), rows_per_task, reference);
+    run<scalar_t>(in, q_start.size(0), reference);
   });
   return out;
 }
