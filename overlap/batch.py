@@ -57,8 +57,9 @@ class SeqOutput(msgspec.Struct, array_like=True, frozen=True):
 
     seq_id: int
     token_ids: list[int]
-    num_drafts: int = 0  # draft tokens proposed this step
+    num_drafts: int = 0  # draft tokens proposed this step (a tree, a branch: the deepest path)
     num_accepted: int = 0  # of which the target accepted
+    num_rows: int = 0  # draft rows verified: a chain's k, a tree's nodes, plus a lookup branch's
 
 
 class StepOutput(msgspec.Struct, array_like=True, frozen=True):

@@ -527,7 +527,8 @@ class Executor:
                 outputs[s.seq_id] = SeqOutput(s.seq_id, tokens[i][:1])
             else:
                 a = accepted[i]
-                outputs[s.seq_id] = SeqOutput(s.seq_id, tokens[i][: a + 1], launched.num_drafts[i], a)
+                outputs[s.seq_id] = SeqOutput(s.seq_id, tokens[i][: a + 1], launched.num_drafts[i], a,
+                                              launched.prepared.spec_ks[i])
         plan = launched.prepared.plan
         return StepOutput(plan.step_id, [outputs.get(s.seq_id, SeqOutput(s.seq_id, [])) for s in plan.seqs])
 

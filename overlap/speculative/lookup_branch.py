@@ -50,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from overlap.attention.base import tree_mask_from_parents
@@ -180,7 +181,7 @@ class LookupBranch:
             if chain is not None:
                 k, branch_first = chain
                 maybe_branch = out.num_accepted > 0 and out.token_ids[0] == branch_first
-                out = SeqOutput(out.seq_id, out.token_ids, k, 0 if maybe_branch else out.num_accepted)
+                out = msgspec.structs.replace(out, num_drafts=k, num_accepted=0 if maybe_branch else out.num_accepted)
             outputs.append(out)
         return dataclasses.replace(finished, outputs=outputs)
 

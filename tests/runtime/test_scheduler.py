@@ -144,14 +144,15 @@ class FixedChoices:
 
     def __init__(self, pick):
         self.pick, self.asked, self.observed, self.steps, self.forgotten = pick, [], [], [], []
-        self.catch_ups = []
+        self.catch_ups, self.branches = [], []
 
     def choose(self, candidates, other_rows=0, other_tokens=0):
         self.asked.append(([c.options for c in candidates], other_rows, other_tokens))
         return [c.options[min(self.pick, len(c.options) - 1)] for c in candidates]
 
-    def observe(self, key, num_drafts, num_accepted, tree=False):
+    def observe(self, key, num_drafts, num_accepted, tree=False, depth=0, branch_rows=None):
         self.observed.append((key, num_drafts, num_accepted) + (("tree",) if tree else ()))
+        self.branches.append((depth, branch_rows))
 
     def observe_step(self, rows, drafter_rows, seconds, speculating=0, catch_up_rows=0, tree=False):
         self.steps.append((rows, drafter_rows, seconds))
@@ -206,8 +207,24 @@ def test_the_step_is_priced_by_the_rows_it_verified():
     plan = s.schedule()
     (a,) = plan.seqs
     assert a.num_spec_tokens == 3 and a.lookup_rows == 4
-    s.update(plan, StepOutput(plan.step_id, [SeqOutput(a.seq_id, [7, 7, 7], 3 + 4, 2)]))
+    # The deepest path was the 4-token branch; 3 + 4 rows verified.
+    s.update(plan, StepOutput(plan.step_id, [SeqOutput(a.seq_id, [7, 7, 7], 4, 2, 3 + 4)]))
     assert ctl.steps[-1][0] == 1 + 3 + 4
+    # The controller hears the option it chose (a chain of 3) and the branch's rows beyond it.
+    assert ctl.observed[-1] == (a.seq_id, 4, 2) and ctl.branches[-1] == (3, 4)
+    plan = s.schedule()
+    s.update(plan, StepOutput(plan.step_id, [SeqOutput(plan.seqs[0].seq_id, [7], 3, 0, 3)]))  # no lookup matched
+    assert ctl.branches[-1] == (3, 0)
+
+
+def test_a_step_without_branch_rows_reports_no_branch():
+    ctl = FixedChoices(pick=3)
+    s = Scheduler(SchedulerConfig(), PageAllocator(64, 4), (2,), ctl)
+    s.add("a", [10, 11, 12], SamplingParams(max_tokens=20), seed=0, num_spec_tokens=3)
+    fake_run(s)
+    plan = s.schedule()
+    s.update(plan, StepOutput(plan.step_id, [SeqOutput(plan.seqs[0].seq_id, [7, 7], 3, 1, 3)]))
+    assert ctl.branches[-1] == (3, None) and ctl.steps[-1][0] == 1 + 3
 
 
 def test_tree_requests_are_offered_chains_or_the_whole_tree():

@@ -391,3 +391,41 @@ def test_a_dip_in_the_measured_curve_is_smoothed_away():
     ms = [cost.step_ms(r) for r in range(1, 20)]
     assert all(b >= a for a, b in zip(ms, ms[1:]))
     assert cost.step_ms(16) == 30.6
+
+
+def test_a_lookup_branchs_copied_tokens_are_counted():
+    """A branch that copies 6 tokens every step (the first also the chain's) against a fixed
+    price of speculating that one draft does not pay: counted, the branch's tokens make
+    speculating win; a controller that saw only its chain (no branch reported) stays plain."""
+    def trained(branch_rows):
+        ctl = controller(Scripted(base=10.0, per_row=1.0, spec_overhead_ms=14.0))
+        for _ in range(20):  # the deepest path: the branch's 6, all accepted
+            ctl.observe("a", 6, 6, depth=1, branch_rows=branch_rows)
+        return ctl
+    counted = trained(branch_rows=6)
+    rows, tokens = counted._branch("a")
+    assert rows == pytest.approx(6.0) and tokens > 4.5  # 7 produced where the chain predicts 2
+    assert counted.choose([Candidate("a", chain_options(1))]) == [SpecOption(1, 1)]
+    assert trained(branch_rows=None).choose([Candidate("a", chain_options(1))]) == [PLAIN]
+    # A new request expects what every request's branch did.
+    assert counted._branch("new") == pytest.approx(counted.branch_population.expected())
+    counted.forget("a")
+    assert "a" not in counted.branch
+
+
+def test_a_lookup_branchs_rows_are_priced():
+    """A branch found on every step that wins nothing beyond the chain still costs its rows:
+    in a batch of 8 on a curve where a row costs a tenth of the step, a chain of 3 whose first
+    draft lands pays without the branch's 6 rows and not with them."""
+    def trained(branch_rows):
+        ctl = controller(Scripted(base=10.0, per_row=1.0, drafter=0.02))
+        for _ in range(30):
+            for key in range(8):
+                ctl.observe(key, 6, 1, depth=3, branch_rows=branch_rows)
+        return ctl
+    cands = [Candidate(k, chain_options(3)) for k in range(8)]
+    assert trained(branch_rows=6).choose(cands) == [PLAIN] * 8
+    assert all(o.depth for o in trained(branch_rows=None).choose(cands))
+    # No branch reported: no branch yield, for that sequence or a new one.
+    unbranched = trained(branch_rows=None)
+    assert unbranched._branch(0) == (0.0, 0.0) and unbranched._branch("new") == (0.0, 0.0)
