@@ -87,9 +87,6 @@ def _pool_pages(context: int, page_size: int) -> int:
 def measure(model: LlamaModel, config: EngineConfig = EngineConfig(), context: int = 256,
             repeats: int = 7, head_dir=None, draft_dir=None, progress=None) -> dict:
     """The report: target ms per (batch, rows), head and draft-model ms per batch, ratios."""
-    from overlap.models.heads import load_head
-    from overlap.speculative.draft_target import load_draft
-
     page = config.cache.page_size
     backend = make_backend(config.attention_backend, config.device)
     vocab = model.cfg.vocab_size
@@ -113,21 +110,10 @@ def measure(model: LlamaModel, config: EngineConfig = EngineConfig(), context: i
     # The drafters as the engine would run them (spec.drafter_weights: int8 on the CPU by default).
     weights = drafter_matmul(config, model)
     report["drafter_weights"] = "int8" if weights == "int8" else "bf16"
-    head = load_head(head_dir or default_head_dir(), model, draft_vocab=config.spec.draft_vocab,
-                     matmul=weights or "exact")
+    pages = _pool_pages(context, page)
+    head_step, head_kv, head = _head_step(model, config, head_dir or default_head_dir(), backend, pages)
     report["head_vocab"] = len(head.vocab_ids) if head.vocab_ids is not None else vocab
-    head_kv = head.new_kv_pool(_pool_pages(context, page), page)
-    hidden = torch.randn(max(BATCHES), model.cfg.hidden_size).to(model.dtype)
-
-    def head_step(ids, pos, meta, rows):
-        return head(ids, hidden[: ids.numel()], pos, backend, head_kv, meta, rows)
-
-    draft = load_draft(draft_dir or default_draft_dir(), model, weights)
-    draft_kv = draft.model.new_kv_pool(_pool_pages(context, page), page)
-
-    def draft_step(ids, pos, meta, rows):
-        h, _ = draft.model(ids, pos, backend, draft_kv, meta)
-        return draft.logits(h[rows])
+    draft_step, draft_kv = _draft_step(model, config, draft_dir or default_draft_dir(), backend, pages)
 
     for name, fn, pool in (("head", head_step, head_kv), ("draft", draft_step, draft_kv)):
         report[name] = {}
@@ -138,6 +124,36 @@ def measure(model: LlamaModel, config: EngineConfig = EngineConfig(), context: i
                 progress(f"{name} batch {batch}: {ms:.2f} ms ({ms / report['target'][batch][1]:.3f} of a target step)")
         report[f"{name}_fraction"] = {b: report[name][b] / report["target"][b][1] for b in BATCHES}
     return report
+
+
+def _head_step(model: LlamaModel, config: EngineConfig, head_dir, backend, pages: int):
+    """(forward, its KV pool, the head) of one MTP/EAGLE head step as the engine runs it: its
+    weights (spec.drafter_weights) and draft vocabulary, on made-up hidden states."""
+    from overlap.models.heads import load_head
+    from overlap.speculative.build import drafter_matmul
+
+    head = load_head(head_dir, model, draft_vocab=config.spec.draft_vocab,
+                     matmul=drafter_matmul(config, model) or "exact")
+    kv = head.new_kv_pool(pages, config.cache.page_size)
+    hidden = torch.randn(max(BATCHES), model.cfg.hidden_size).to(model.dtype)
+
+    def step(ids, pos, meta, rows):
+        return head(ids, hidden[: ids.numel()], pos, backend, kv, meta, rows)
+    return step, kv, head
+
+
+def _draft_step(model: LlamaModel, config: EngineConfig, draft_dir, backend, pages: int):
+    """(forward, its KV pool) of one draft-model step as the engine runs it."""
+    from overlap.speculative.build import drafter_matmul
+    from overlap.speculative.draft_target import load_draft
+
+    draft = load_draft(draft_dir, model, drafter_matmul(config, model))
+    kv = draft.model.new_kv_pool(pages, config.cache.page_size)
+
+    def step(ids, pos, meta, rows):
+        h, _ = draft.model(ids, pos, backend, kv, meta)
+        return draft.logits(h[rows])
+    return step, kv
 
 
 def machine() -> dict:
@@ -211,7 +227,7 @@ DEFAULT_CURVE = {1: 16.8, 2: 17.5, 4: 19.3, 8: 27.6, 16: 36.2, 32: 52.6, 64: 84.
 # then a batch of 8 growing; the decisions are made between neighbouring points.
 CALIBRATION_ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 24, 32, 48, 64)
 CALIBRATION_ROUNDS = 7
-CALIBRATION_VERSION = 2  # in the cache key: a curve measured the older way is measured again
+CALIBRATION_VERSION = 3  # in the cache key: a curve measured the older way is measured again (3: the drafter's step)
 
 
 def spread(total: int, seqs: int) -> list[int]:
@@ -245,6 +261,27 @@ def calibrate(model: LlamaModel, config: EngineConfig, context: int = 128,
     return {total: statistics.median(ts) * 1e3 for total, ts in times.items()}
 
 
+def calibrate_drafter(model: LlamaModel, config: EngineConfig, context: int = 128,
+                      rounds: int = CALIBRATION_ROUNDS) -> dict[int, float] | None:
+    """The configured drafter's step in ms over 1 and 8 sequences (BATCHES), as the engine
+    runs it (mtp/eagle: spec.head; draft: spec.draft_model), timed round-robin like the
+    target's curve; None for a drafter without device work (n-gram) or without its own
+    weights given. The controller prices each drafter level from this, not from a fixed
+    fraction of a target step (0.10 for a head that now takes 0.036 here: session 22)."""
+    spec = config.spec
+    backend = make_backend(config.attention_backend, config.device)
+    pages = max(BATCHES) * (-(-(context + 1) // config.cache.page_size)) + 1
+    if spec.method in ("mtp", "eagle") and spec.head:
+        step, kv, _ = _head_step(model, config, spec.head, backend, pages)
+    elif spec.method == "draft" and spec.draft_model:
+        step, kv = _draft_step(model, config, spec.draft_model, backend, pages)
+    else:
+        return None
+    steps = {b: _Step(step, kv, backend, [1] * b, context, model.cfg.vocab_size) for b in BATCHES}
+    times = _timed_rounds(steps, rounds)
+    return {b: statistics.median(ts) * 1e3 for b, ts in times.items()}
+
+
 def _cache_path(config: EngineConfig, model_cfg) -> Path:
     """Keyed by what a step's cost depends on: the architecture (not the weights), dtype,
     kernels, backend, threads and the machine. The kernels by their build (sources' hash), not
@@ -260,9 +297,15 @@ def _cache_path(config: EngineConfig, model_cfg) -> Path:
                       model_cfg.intermediate_size, model_cfg.num_heads, model_cfg.num_kv_heads,
                       config.dtype, config.device, config.matmul, config.attention_backend,
                       config.cache.page_size, sorted(machine().items()), build_name(),
-                      CALIBRATION_VERSION], default=str)
+                      CALIBRATION_VERSION, _drafter_key(config.spec)], default=str)
     name = hashlib.sha1(key.encode()).hexdigest()[:16]
     return Path.home() / ".cache" / "overlap" / "step_costs" / f"{name}.json"
+
+
+def _drafter_key(spec) -> list:
+    """What the drafter's calibrated step depends on beside the target's."""
+    weights = spec.draft_model if spec.method == "draft" else spec.head if spec.method in ("mtp", "eagle") else None
+    return [spec.method, str(weights), spec.draft_vocab, spec.drafter_weights]
 
 
 def controller_cost_model(config: EngineConfig, model: LlamaModel | None = None, model_cfg=None,
@@ -284,8 +327,10 @@ def controller_cost_model(config: EngineConfig, model: LlamaModel | None = None,
     path = _cache_path(config, cfg) if cfg is not None else None
     if path is not None and path.is_file():
         try:
-            points = json.loads(path.read_text())["points"]
-            return StepCostModel({int(r): float(ms) for r, ms in points.items()}, fraction)
+            cached = json.loads(path.read_text())
+            return StepCostModel({int(r): float(ms) for r, ms in cached["points"].items()}, fraction,
+                                 drafter_points={int(b): float(ms) for b, ms in
+                                                 (cached.get("drafter_points") or {}).items()})
         except (ValueError, KeyError):
             pass  # a torn or old cache: measure again
     if model is None or getattr(model, "full_cfg", None) is not None:  # no model here (or a TP shard)
@@ -293,14 +338,15 @@ def controller_cost_model(config: EngineConfig, model: LlamaModel | None = None,
     if progress:
         progress("speculation controller: measuring the step-cost curve (cached for next time)")
     points = calibrate(model, config)
+    drafter_points = calibrate_drafter(model, config)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"points": points, "machine": machine()}))
+        tmp.write_text(json.dumps({"points": points, "drafter_points": drafter_points, "machine": machine()}))
         tmp.replace(path)
     except OSError:
         pass  # a read-only home: calibrate again next start
-    return StepCostModel(points, fraction)
+    return StepCostModel(points, fraction, drafter_points=drafter_points)
 
 
 def build_controller(config: EngineConfig, model: LlamaModel | None = None, cost=None, model_cfg=None,

@@ -153,9 +153,16 @@ class StepCostModel:
     price for every batch size was tried first: learned mostly in small batches, it made a
     draft in a batch of 8 look nearly free (docs/controller.md)."""
 
-    def __init__(self, points: dict[int, float], drafter_fraction: float = 0.0, alpha: float = 0.1):
+    def __init__(self, points: dict[int, float], drafter_fraction: float = 0.0, alpha: float = 0.1,
+                 drafter_points: dict[int, float] | None = None):
+        """drafter_points: a drafter step's measured ms vs the sequences it runs over (batch 1,
+        batch 8), which replaces drafter_fraction where given: a fixed fraction, measured once
+        on one machine, priced the head's levels at 0.10 of a target step where the int8 head
+        with its 8k vocabulary took 0.036, and the controller chose 1-2 drafts at batch 1
+        where full k ran 10% faster (session 22)."""
         if not points or 1 not in points:
             raise ValueError("a step-cost curve needs at least the 1-row cost")
+        self.drafter_points = sorted((int(r), float(ms)) for r, ms in (drafter_points or {}).items())
         self.rows = sorted(points)
         # A forward over more rows never costs less than one over fewer: a measured dip is the
         # machine's noise, and a dip is exactly what makes one k look cheaper than a smaller one
@@ -180,15 +187,18 @@ class StepCostModel:
         for b, costs in report["target"].items():
             for rows, ms in costs.items():
                 points.setdefault(int(b) * int(rows), float(ms))
-        fraction = 0.0
+        fraction, drafter_points = 0.0, None
         key = {"mtp": "head", "eagle": "head", "draft": "draft"}.get(drafter or "")
         if key and f"{key}_fraction" in report:
             fraction = min(float(v) for v in report[f"{key}_fraction"].values())
-        return cls(points, fraction)
+        if key and key in report:
+            drafter_points = {int(b): float(ms) for b, ms in report[key].items()}
+        return cls(points, fraction, drafter_points=drafter_points)
 
     def as_dict(self) -> dict:
         # String keys: the stats travel as JSON too (HTTP, bench reports).
         return {"points": {str(r): ms for r, ms in zip(self.rows, self.ms)}, "drafter_fraction": self.drafter_fraction,
+                "drafter_points": {str(r): ms for r, ms in self.drafter_points},
                 "correction": {str(1 << (b - 1)): c for b, c in sorted(self.correction.items())},
                 "spec_overhead_ms": {("tree " if t else "") + str(1 << (b - 1)): o.ms
                                      for (b, t), o in sorted(self.overhead.items()) if o.ready}}
@@ -219,7 +229,11 @@ class StepCostModel:
         # drafter level inside the step does not pay again. Of the corrected step, a head level
         # at batch 1 was priced 3.1 ms where the 1-row correction was 1.48, and the controller
         # chose k = 1 where fixed k = 3 ran 9% faster (docs/controller.md, session 9).
-        return self.drafter_fraction * self._base(rows) if rows else 0.0
+        if not rows:
+            return 0.0
+        if self.drafter_points:
+            return _interpolate(self.drafter_points, rows)
+        return self.drafter_fraction * self._base(rows)
 
     def spec_overhead_ms(self, speculating: int, tree: bool = False) -> float:
         # This kind's buckets only: a kind not seen yet is free, so it gets tried and measured
@@ -262,6 +276,16 @@ class StepCostModel:
         ratio = min(4.0, max(0.25, ms / predicted))  # one stalled step must not rewrite the curve
         old = self.correction.get(b, 1.0)
         self.correction[b] = old + self.alpha * (ratio - old)
+
+
+def _interpolate(points: list[tuple[int, float]], x: float) -> float:
+    """Piecewise linear through sorted (x, y) points; past the ends, the nearest segment's
+    line (one point: y proportional to x), never below 0."""
+    if len(points) == 1:
+        return points[0][1] * x / points[0][0]
+    i = min(max(bisect.bisect_left([p[0] for p in points], x), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
 
 
 @dataclass

@@ -180,6 +180,10 @@ def test_engine_default_controller_calibrates_and_stays_lossless(tiny_dirs, gree
     assert [r.token_ids for r in results] == greedy_reference(ps, 16)
     assert eng.stats()["spec_controller"] == "on"
     assert Engine(cfg, progress=False).controller.cost.as_dict()["points"] == eng.controller.cost.as_dict()["points"]
+    # The draft model's own step was calibrated beside the target's curve, and cached with it.
+    drafter = eng.controller.cost.as_dict()["drafter_points"]
+    assert set(drafter) == {"1", "8"} and all(ms > 0 for ms in drafter.values())
+    assert Engine(cfg, progress=False).controller.cost.as_dict()["drafter_points"] == drafter
 
 
 def test_chain_only_steps_expand_just_the_top_path(tiny_dirs, heads, greedy_reference):

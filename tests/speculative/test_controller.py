@@ -166,6 +166,26 @@ def test_cost_model_from_a_step_costs_report():
     cost = StepCostModel.from_report(report, "mtp")
     assert cost.step_ms(1) == 16.8 and cost.step_ms(8) == 27.6 and cost.step_ms(32) == 52.8
     assert cost.drafter_fraction == 0.1
+    # With the drafter's own measured steps, a level is priced from them, not the fraction.
+    cost = StepCostModel.from_report({**report, "head": {"1": 0.7, "8": 1.4}}, "mtp")
+    assert cost.drafter_ms(1) == pytest.approx(0.7) and cost.drafter_ms(8) == pytest.approx(1.4)
+    assert cost.drafter_ms(4) == pytest.approx(1.0) and cost.drafter_ms(0) == 0.0
+    assert cost.as_dict()["drafter_points"] == {"1": 0.7, "8": 1.4}
+
+
+def test_a_measured_drafter_step_lets_batch_one_take_full_k():
+    """The curve of this machine (batch 1 flat to 9 rows) and a chat request's acceptance
+    (0.5, then 0.4 and 0.35 of the drafts before landing): priced at a fixed 0.10 of a target
+    step a head level looks dear and the controller stops short of k; at the 0.7 ms the
+    int8 head measured (0.035 of a step), the full chain of 3 pays."""
+    points = {1: 20.2, 2: 20.1, 4: 20.0, 5: 20.0, 8: 21.1, 9: 21.0, 16: 23.5}
+    picks = []
+    for cost in (StepCostModel(points, drafter_fraction=0.10),
+                 StepCostModel(points, drafter_fraction=0.10, drafter_points={1: 0.7, 8: 1.5})):
+        ctl = controller(cost)
+        ctl._acc("chat").rates = [0.5, 0.4, 0.35]
+        picks.append(ctl.choose([Candidate("chat", chain_options(3))])[0].k)
+    assert picks[0] < 3 and picks[1] == 3, picks
 
 
 def test_a_sequence_without_drafts_for_detach_after_steps_is_detached_once():
