@@ -187,9 +187,9 @@ class Scheduler:
                 for i, w in enumerate(works)]
 
     def _admits_drafts(self, seq: Sequence) -> bool:
-        # Judged by its cheapest option (options[0] is plain decoding).
-        first = self._capped_options(seq.num_spec_tokens, seq.num_spec_tokens)[1]
-        return self.controller.admits_drafts(len(self.running), first)
+        # Judged by every option that drafts (options[0] is plain decoding).
+        drafting = self._capped_options(seq.num_spec_tokens, seq.num_spec_tokens)[1:]
+        return self.controller.admits_drafts(len(self.running), drafting)
 
     def _options(self, work: SeqWork):
         """work.num_spec_tokens is the cap this step (the request's k, less near max_tokens)."""

@@ -161,7 +161,7 @@ class FixedChoices:
     def should_detach(self, key):
         return False
 
-    def admits_drafts(self, batch, first):
+    def admits_drafts(self, batch, options):
         return True
 
     def forget(self, key):

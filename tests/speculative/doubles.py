@@ -148,7 +148,7 @@ class RandomChoices:
     def should_detach(self, key):
         return False
 
-    def admits_drafts(self, batch, first):
+    def admits_drafts(self, batch, options):
         return True
 
     def forget(self, key):

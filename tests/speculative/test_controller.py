@@ -449,3 +449,16 @@ def test_a_lookup_branchs_rows_are_priced():
     # No branch reported: no branch yield, for that sequence or a new one.
     unbranched = trained(branch_rows=None)
     assert unbranched._branch(0) == (0.0, 0.0) and unbranched._branch("new") == (0.0, 0.0)
+
+
+def test_a_batch_is_not_hopeless_while_a_longer_chain_pays():
+    """A price of speculating paid per step (9 ms here) that one draft's 0.9 tokens do not
+    pay and a chain of 3 does: the batch does not rule drafts out, so a new request starts
+    attached and a sequence left plain is not detached as hopeless. Judged by the cheapest
+    option alone, both were (and at concurrency 8 on the Xeon every request then ran plain)."""
+    ctl = controller(Scripted(base=10.0, per_row=0.1, spec_overhead_ms=9.0), probe_every=0)
+    ctl.population.rates = [0.9, 0.9, 0.9]
+    chains = chain_options(3)[1:]
+    assert not ctl.admits_drafts(1, chains[0])  # one draft alone: 1.9 tokens in 19.2 ms < 1.05 in 10.1
+    assert ctl.admits_drafts(1, chains)  # a chain of 3: 3.4 tokens in 19.4 ms
+    assert not ctl._hopeless(chains, 1, 1) and ctl._hopeless(chains[:1], 1, 1)
