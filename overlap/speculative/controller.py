@@ -602,6 +602,12 @@ class SpeculationController:
                 self.branch[key] = BranchYield(self.config.alpha, base=self.branch_population)
             self.branch[key].observe(branch_rows, extra)
             self.branch_population.observe(branch_rows, extra)
+            # The acceptance learns positions 1..depth only: the deepest path may be the
+            # branch's, and a miss past the option's depth is the branch's, not a draft the
+            # option never made (a chain of 2 beside an 8-token branch that missed at once
+            # had its position 3 marked rejected, and a request kept at k = 2 could never
+            # show that a third draft lands).
+            num_drafts, num_accepted = min(num_drafts, depth), min(num_accepted, depth)
         if num_drafts:
             self._acc(key, tree).observe(num_drafts, num_accepted)
             (self.tree_population if tree else self.population).observe(num_drafts, num_accepted)

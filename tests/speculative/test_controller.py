@@ -462,3 +462,21 @@ def test_a_batch_is_not_hopeless_while_a_longer_chain_pays():
     assert not ctl.admits_drafts(1, chains[0])  # one draft alone: 1.9 tokens in 19.2 ms < 1.05 in 10.1
     assert ctl.admits_drafts(1, chains)  # a chain of 3: 3.4 tokens in 19.4 ms
     assert not ctl._hopeless(chains, 1, 1) and ctl._hopeless(chains[:1], 1, 1)
+
+
+def test_with_a_branch_the_acceptance_learns_only_the_options_positions():
+    """A chain of 2 beside a branch: the step's deepest path is reported (8 deep), but a miss
+    past the chain's depth is the branch's. The chain's acceptance learns positions 1..2;
+    what the branch copied past them is its yield."""
+    ctl = controller(Scripted())
+    for _ in range(10):
+        ctl.observe("a", 8, 2, depth=2, branch_rows=8)  # both chain drafts land, the branch missed
+    acc = ctl._acc("a")
+    assert len(acc.rates) == 2 and acc.at(1) > 0.9 and acc.at(2) > 0.9
+    assert acc.at(3) == ctl.population.at(3)  # never tested: the population's estimate
+    for _ in range(10):
+        ctl.observe("b", 8, 6, depth=2, branch_rows=8)  # the branch copied 6
+    assert len(ctl._acc("b").rates) == 2 and ctl._branch("b")[1] > 3.0
+    # Without a branch the reported drafts are the option's own: every position is learned.
+    ctl.observe("c", 4, 1)
+    assert len(ctl._acc("c").rates) == 2 and ctl._acc("c").at(2) < ctl.config.prior
