@@ -315,22 +315,23 @@ class Scheduler:
         # A tree verifies more rows than its depth; a chain (EAGLE's top path too) its depth.
         trees = {w.seq_id for w in plan.seqs if self.tree_depth and w.num_spec_tokens > self.tree_depth}
         works = {w.seq_id: w for w in plan.seqs}
+        # The depth of the option each sequence took: a tree's, or its chain's length.
+        depths = {w.seq_id: self.tree_depth if w.seq_id in trees else w.num_spec_tokens for w in plan.seqs}
         for o in output.seqs:
             w = works.get(o.seq_id)
-            depth = (self.tree_depth if o.seq_id in trees else w.num_spec_tokens) if w is not None else 0
             # A lookup branch's rows: what the step verified beyond the option the controller
             # chose (None where the step reserved no branch rows for the sequence).
             branch_rows = max(o.num_rows - w.num_spec_tokens, 0) if w is not None and w.lookup_rows else None
             self.controller.observe(o.seq_id, o.num_drafts, o.num_accepted, tree=o.seq_id in trees,
-                                    depth=depth, branch_rows=branch_rows)
+                                    depth=depths.get(o.seq_id, 0), branch_rows=branch_rows)
         start = self._scheduled_at.pop(plan.step_id, None)
         if start is not None:
             # The rows the target verified: what the drafter laid out (a tree's nodes, a lookup
             # branch beyond the drafts asked for; n-gram may find fewer), not what was asked.
             rows = sum(len(w.token_ids) for w in plan.seqs) + sum(o.num_rows or o.num_drafts for o in output.seqs)
-            depths = [self.tree_depth if w.seq_id in trees else w.num_spec_tokens for w in plan.seqs]
-            levels = [sum(1 for d in depths if d >= j) for j in range(2, max(depths, default=0) + 1)]
-            self.controller.observe_step(rows, levels, self.clock() - start, speculating=sum(1 for d in depths if d),
+            levels = [sum(1 for d in depths.values() if d >= j) for j in range(2, max(depths.values(), default=0) + 1)]
+            self.controller.observe_step(rows, levels, self.clock() - start,
+                                         speculating=sum(1 for d in depths.values() if d),
                                          catch_up_rows=self._prompt_catch_up, tree=bool(trees))
         # The drafter catches up on this step's prompt chunks right after it, ahead of the
         # next step on the device: the next step's time carries them.

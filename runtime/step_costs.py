@@ -270,7 +270,7 @@ def calibrate_drafter(model: LlamaModel, config: EngineConfig, context: int = 12
     fraction of a target step (0.10 for a head that now takes 0.036 here: session 22)."""
     spec = config.spec
     backend = make_backend(config.attention_backend, config.device)
-    pages = max(BATCHES) * (-(-(context + 1) // config.cache.page_size)) + 1
+    pages = _pool_pages(context, config.cache.page_size)
     if spec.method in ("mtp", "eagle") and spec.head:
         step, kv, _ = _head_step(model, config, spec.head, backend, pages)
     elif spec.method == "draft" and spec.draft_model:

@@ -54,7 +54,7 @@ import msgspec
 import torch
 
 from overlap.attention.base import tree_mask_from_parents
-from overlap.batch import BatchPlan, SeqOutput, SeqWork
+from overlap.batch import BatchPlan, SeqWork
 from overlap.speculative.base import DraftLayout, DraftRequest, FinishedStep, Proposal, TreeLayout, Verified
 from overlap.speculative.ngram import follow, lookup
 
