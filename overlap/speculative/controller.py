@@ -30,9 +30,10 @@ speculating sequence (its catch-up runs the head or the draft model over each ne
 plain decoding. A sequence is therefore detached (the scheduler stops speculating for it for
 the rest of the request and the drafter stops following it: `should_detach`, after which it
 costs exactly a plain decode) once it has gone without drafts for
-- `detach_hopeless` steps in which the batch itself ruled speculation out (none of its
-  options, with an average sequence's acceptance, would have beaten plain decoding: a
-  compute-bound batch, which no acceptance of its own changes), or
+- `detach_hopeless` steps in which the batch itself ruled speculation out (had all its
+  drafting sequences taken any one of their options with an average sequence's acceptance,
+  none would have beaten plain decoding: a compute-bound batch, which no acceptance of its
+  own changes), or
 - `detach_after` steps whatever the reason (its own acceptance stayed too low: slower,
   since acceptance is noisy and `relax` re-probes it meanwhile).
 Under sustained load every sequence detaches within a few steps. A new request is admitted
@@ -148,8 +149,10 @@ class StepCostModel:
     left is the proposal, the verification and their host work, which a bare cost curve does
     not see. It grows with the number of sequences that draft (each has its own proposal,
     acceptance walk and KV moves), so it is learned per bucket of that number (powers of
-    two) and apart for steps that verify a tree (EAGLE) and chains-only steps; a bucket not
-    yet seen is priced per sequence from the nearest one that was, a kind not yet seen at 0. One
+    two) and apart for steps that verify a tree (EAGLE) and chains-only steps. Across the
+    buckets it is fitted as a fixed part plus a part per sequence (`_fixed_plus_per_sequence`):
+    a bucket not yet seen is priced from that line, a seen one from its own median moved
+    along the line's slope; a kind not yet seen at 0. One
     price for every batch size was tried first: learned mostly in small batches, it made a
     draft in a batch of 8 look nearly free (docs/controller.md)."""
 
@@ -221,7 +224,20 @@ class StepCostModel:
         return m0 + (m1 - m0) * (rows - r0) / (r1 - r0)
 
     def step_ms(self, rows: int) -> float:
-        return self._base(rows) * self.correction.get(self._bucket(rows), 1.0)
+        return self._base(rows) * self._correction(self._bucket(rows))
+
+    def _correction(self, bucket: int) -> float:
+        """The bucket's correction; one not observed yet borrows the nearest observed bucket's
+        (the lower on a tie). Left at 1 (the bare forward), a batch of 8 rows whose plain steps
+        were not seen yet was priced at 20 ms where they take 29 (the host work of 8 sequences
+        around the forward), while its speculative steps' price was learned from what they
+        took: plain decoding looked 40% cheaper than it is and at concurrency 8 EAGLE's
+        sequences detached before a plain step was measured (session 23)."""
+        if bucket in self.correction:
+            return self.correction[bucket]
+        if not self.correction:
+            return 1.0
+        return self.correction[min(self.correction, key=lambda b: (abs(b - bucket), b))]
 
     def drafter_ms(self, rows: int) -> float:
         # A fraction of the measured forward, not of the corrected step: the correction is what
@@ -238,20 +254,21 @@ class StepCostModel:
     def spec_overhead_ms(self, speculating: int, tree: bool = False) -> float:
         # This kind's buckets only: a kind not seen yet is free, so it gets tried and measured
         # (borrowing the tree's price kept EAGLE's cheaper chains from ever being tried).
-        seen = {b: o for (b, t), o in self.overhead.items() if o.ready and t == tree}
+        seen = sorted((o.count, o.ms) for (b, t), o in self.overhead.items() if o.ready and t == tree)
         if speculating <= 0 or not seen:
             return 0.0
-        own = seen.get(self._bucket(speculating))
-        if own is not None:  # its own bucket, per sequence within it
-            return own.ms * speculating / own.count
-        # Unseen: linear between the seen buckets around it (and nothing for no sequence),
-        # per sequence of the last one past it.
-        points = [(0.0, 0.0)] + sorted((o.count, o.ms) for o in seen.values())
-        for (c0, m0), (c1, m1) in zip(points, points[1:]):
-            if speculating <= c1:
-                return m0 + (m1 - m0) * (speculating - c0) / (c1 - c0)
-        count, ms = points[-1]
-        return ms * speculating / count
+        if len(seen) == 1:
+            # One bucket: nothing says how its price splits. It shrinks in proportion below the
+            # bucket's sequences and stays flat above them: optimistic either way, so another
+            # batch size gets tried, measured, and fitted.
+            count, ms = seen[0]
+            return ms * min(speculating / count, 1.0)
+        fixed, per_seq = _fixed_plus_per_sequence(seen)
+        own = next((o for (b, t), o in self.overhead.items()
+                    if o.ready and t == tree and b == self._bucket(speculating)), None)
+        if own is not None:  # its own bucket's price, moved along the fitted slope within it
+            return max(own.ms + per_seq * (speculating - own.count), 0.0)
+        return fixed + per_seq * speculating
 
     def observe(self, rows: int, drafter_rows: list[int], ms: float, speculating: int = 0,
                 catch_up_rows: int = 0, tree: bool = False) -> None:
@@ -274,7 +291,7 @@ class StepCostModel:
             return
         b = self._bucket(rows)
         ratio = min(4.0, max(0.25, ms / predicted))  # one stalled step must not rewrite the curve
-        old = self.correction.get(b, 1.0)
+        old = self._correction(b)
         self.correction[b] = old + self.alpha * (ratio - old)
 
 
@@ -286,6 +303,25 @@ def _interpolate(points: list[tuple[int, float]], x: float) -> float:
     i = min(max(bisect.bisect_left([p[0] for p in points], x), 1), len(points) - 1)
     (x0, y0), (x1, y1) = points[i - 1], points[i]
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+
+
+def _fixed_plus_per_sequence(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """The price of speculating as fixed + per_seq · sequences, fitted (least squares, both
+    >= 0) to the buckets' (sequences, ms). Measured on the Xeon at batch 1, 2-3, 4-7 and 8
+    (mtp:3 + branch, fixed k): 8.9, 12.3, 20.5, 24.5 ms, about 7 + 2.3 a sequence; the price
+    per sequence of the nearest bucket, used before, read 4-7 sequences' 20 ms as 40 for 8
+    and priced speculation out at concurrency 8. Two buckets at least."""
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    sxx = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sxx if sxx > 0 else 0.0
+    if slope <= 0:
+        return max(mean_y, 0.0), 0.0
+    fixed = mean_y - slope * mean_x
+    if fixed < 0:  # through the origin instead
+        return 0.0, sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+    return fixed, slope
 
 
 @dataclass
@@ -474,8 +510,6 @@ class SpeculationController:
             picked = [c.options[-1] for c in candidates]
         else:
             picked = self._search(candidates, other_rows, other_tokens)
-        rows = other_rows + sum(1 + self._rows(c.key, o) for c, o in zip(candidates, picked))
-        tokens = other_tokens + len(picked)
         hopeless: dict[tuple, bool] = {}  # per set of options: the verdict is the batch's
         for c, o in zip(candidates, picked):
             self.chosen[o.k] += 1
@@ -490,7 +524,7 @@ class SpeculationController:
             drafting = tuple(c.options[1:])
             if self.config.enabled and drafting:
                 if drafting not in hopeless:
-                    hopeless[drafting] = self._hopeless(drafting, rows, tokens)
+                    hopeless[drafting] = self._hopeless(drafting, len(candidates), other_rows, other_tokens)
                 self.hopeless_streak[c.key] += hopeless[drafting]
         return picked
 
@@ -512,7 +546,7 @@ class SpeculationController:
         attached: unless the batch rules out every one of its drafting `options` for an average
         request (the `detach_hopeless` verdict, given before the drafter has followed it)."""
         options = [options] if isinstance(options, SpecOption) else list(options)
-        if not self.config.enabled or not self.config.detach_hopeless or not self._hopeless(options, batch, batch):
+        if not self.config.enabled or not self.config.detach_hopeless or not self._hopeless(options, batch):
             return True
         self.turned_away += 1
         if self.config.probe_every and self.turned_away % self.config.probe_every == 0:
@@ -526,21 +560,30 @@ class SpeculationController:
         return (self.cost.step_ms(rows) + sum(self.cost.drafter_ms(n) for n in levels if n)
                 + self.cost.spec_overhead_ms(speculating, tree))
 
-    def _hopeless(self, options, rows: int, tokens: float) -> bool:
-        """Whether every one of `options` for one sequence, with the acceptance of an average
-        request (the population's), would lose to plain decoding in a batch of `rows` rows
-        producing `tokens` tokens: the batch, not the sequence, rules speculation out. Every
-        option, not only the cheapest: the price of speculating is paid per step, so a chain
-        of 3 (or a branch's copy) can pay where one draft does not; judged by the cheapest,
-        requests at concurrency 8 were admitted detached while fixed drafts with a branch ran
-        1.11-1.26x there (session 22)."""
+    def _hopeless(self, options, batch: int, other_rows: int = 0, other_tokens: int = 0) -> bool:
+        """Whether every one of `options` loses to plain decoding for a batch of `batch`
+        sequences that all take it with an average request's acceptance (the population's),
+        beside `other_rows` rows making `other_tokens` tokens that do not speculate (prefill
+        chunks, detached sequences): the batch, not the sequence, rules speculation out.
+
+        The whole batch, not one sequence added to a plain batch: a drafter level over 8
+        sequences costs less than twice one over 1, and a step's price of speculating is
+        mostly paid once, whoever drafts; one sequence priced alone paid all of both, so at
+        concurrency 8 the 8th request was admitted detached before any speculative step was
+        measured, and a half-detached batch shared the price among fewer sequences until every
+        request ran plain (session 23: fixed drafts ran 1.06-1.21x there). Every option, not
+        only the cheapest: a chain of 3 (or a branch's copy) can pay where one draft does not
+        (session 22)."""
+        if batch <= 0:
+            return False
         branch_rows, branch_tokens = self._branch(None)
-        plain = tokens / self._time(rows, [], 0) * self.config.min_gain
+        plain = (batch + other_tokens) / self._time(batch + other_rows, [], 0) * self.config.min_gain
         for option in options:
-            gain = (self.tree_population if option.tree else self.population).expected_tokens(option.depth) - 1.0
-            levels = [1] * max(0, option.depth - 1)
-            time = self._time(rows + option.rows + branch_rows, levels, 1, option.tree)
-            if (tokens + gain + branch_tokens) / time > plain:
+            accepted = (self.tree_population if option.tree else self.population).expected_tokens(option.depth)
+            levels = [batch] * max(0, option.depth - 1)
+            rows = other_rows + batch * (1 + option.rows + branch_rows)
+            tokens = other_tokens + batch * (accepted + branch_tokens)
+            if tokens / self._time(round(rows), levels, batch, option.tree) > plain:
                 return False
         return True
 

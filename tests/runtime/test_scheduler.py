@@ -264,7 +264,7 @@ def test_a_request_is_admitted_detached_where_its_batch_rules_drafts_out():
     from speculative.test_controller import Scripted
 
     # One draft pays alone (batch 1) and not beside another decode (batch 2).
-    ctl = SpeculationController(Scripted(base=10.0, per_row=5.0), ControllerConfig(probe_every=0))
+    ctl = SpeculationController(Scripted(base=10.0, per_row=6.0), ControllerConfig(probe_every=0))
     s = Scheduler(SchedulerConfig(max_batched_tokens=64), PageAllocator(64, 4), (2,), ctl)
     s.add("a", [10, 11, 12], SamplingParams(max_tokens=20), seed=0, num_spec_tokens=3)
     plan, _ = fake_run(s)

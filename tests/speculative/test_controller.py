@@ -154,10 +154,11 @@ def test_cost_model_interpolates_and_corrects_its_shape_online():
     cost = StepCostModel({1: 10.0, 4: 13.0, 16: 40.0})
     assert cost.step_ms(2) == pytest.approx(11.0)
     assert cost.step_ms(32) == pytest.approx(40.0 + 27.0 / 12 * 16)
+    cost.observe(1, [], 10.0)  # one row as calibrated
     for _ in range(200):
         cost.observe(16, [], 80.0)  # the large batch runs twice as slow as calibrated
     assert cost.step_ms(16) == pytest.approx(80.0, rel=0.02)
-    assert cost.step_ms(1) == pytest.approx(10.0)  # other buckets keep their calibration
+    assert cost.step_ms(1) == pytest.approx(10.0)  # other observed buckets keep their own
 
 
 def test_cost_model_from_a_step_costs_report():
@@ -244,15 +245,41 @@ def test_cost_model_learns_the_price_of_speculating_from_speculative_steps_only(
 
 def test_the_price_of_speculating_is_learned_per_bucket_of_drafting_sequences():
     """A few ms when one sequence drafts, much more when eight do: each bucket keeps its own,
-    and a bucket never seen is priced per sequence from the nearest one."""
+    and a bucket never seen is priced from a line fitted through the seen ones."""
     cost = StepCostModel({1: 10.0, 64: 100.0})
     for _ in range(20):
-        cost.observe(2, [], cost.step_ms(2) + 2.0, speculating=1)
-        cost.observe(16, [], cost.step_ms(16) + 24.0, speculating=8)
-    assert cost.spec_overhead_ms(1) == pytest.approx(2.0)
-    assert cost.spec_overhead_ms(8) == pytest.approx(24.0)
-    assert cost.spec_overhead_ms(16) == pytest.approx(48.0)  # past the last seen: 3 ms each, as at 8
-    assert cost.spec_overhead_ms(2) == pytest.approx(2.0 + 22.0 / 7)  # between 1 and 8: linear
+        cost.observe(2, [], cost.step_ms(2) + 4.0, speculating=1)
+        cost.observe(16, [], cost.step_ms(16) + 25.0, speculating=8)
+    assert cost.spec_overhead_ms(1) == pytest.approx(4.0)
+    assert cost.spec_overhead_ms(8) == pytest.approx(25.0)
+    assert cost.spec_overhead_ms(16) == pytest.approx(49.0)  # the line: 1 ms + 3 ms a sequence
+    assert cost.spec_overhead_ms(2) == pytest.approx(7.0)
+
+
+def test_the_price_of_speculating_grows_as_a_fixed_part_plus_a_part_per_sequence():
+    """Measured on the Xeon (mtp:3 + branch, fixed k): 8.9, 12.3 and 20.5 ms with 1, 2-3 and
+    4-7 sequences drafting, 24.5 ms with 8. Learned from the smaller buckets, 8 sequences
+    are priced near what they cost, not at 4-7 sequences' price per sequence (~40 ms), which
+    ruled speculation out at concurrency 8."""
+    cost = StepCostModel({1: 10.0, 64: 100.0})
+    for n, ms in ((1, 8.9), (2, 12.3), (5, 20.5)):
+        for _ in range(4):
+            cost.observe(40, [], cost.step_ms(40) + ms, speculating=n)
+    assert 22.0 < cost.spec_overhead_ms(8) < 30.0
+    assert cost.spec_overhead_ms(5) == pytest.approx(20.5)  # a seen bucket at its own count: its own
+
+
+def test_one_bucket_of_the_price_is_never_stretched_per_sequence_above_it():
+    """One bucket seen (1 sequence, 9 ms): 8 sequences are not priced at 72 ms (which ruled
+    speculation out before any batch of 8 was measured); below a lone bucket, in proportion."""
+    cost = StepCostModel({1: 10.0, 64: 100.0})
+    for _ in range(4):
+        cost.observe(2, [], cost.step_ms(2) + 9.0, speculating=1)
+    assert cost.spec_overhead_ms(8) == pytest.approx(9.0)
+    big = StepCostModel({1: 10.0, 64: 100.0})
+    for _ in range(4):
+        big.observe(32, [], big.step_ms(32) + 24.0, speculating=8)
+    assert big.spec_overhead_ms(2) == pytest.approx(6.0) and big.spec_overhead_ms(8) == pytest.approx(24.0)
 
 
 def test_a_draft_priced_at_batch_one_does_not_pass_for_free_in_a_large_batch():
@@ -346,9 +373,9 @@ def test_a_new_request_starts_from_what_every_request_did():
 
 
 def test_a_request_joining_a_batch_that_rules_drafts_out_is_admitted_detached():
-    """Base 10 ms + 5 ms a row: one draft with the prior's acceptance pays in a batch of 1 and
+    """Base 10 ms + 6 ms a row: one draft with the prior's acceptance pays in a batch of 1 and
     not in a batch of 2. Every probe_every-th request turned away is admitted anyway."""
-    ctl = controller(Scripted(base=10.0, per_row=5.0), probe_every=3)
+    ctl = controller(Scripted(base=10.0, per_row=6.0), probe_every=3)
     one = SpecOption(1, 1)
     assert ctl.admits_drafts(1, one)
     assert [ctl.admits_drafts(2, one) for _ in range(6)] == [False, False, True, False, False, True]
@@ -365,6 +392,22 @@ def test_a_drafter_level_is_priced_from_the_measured_forward_not_the_corrected_s
     cost.observe(1, [], 30.0)
     assert cost.step_ms(1) == pytest.approx(30.0)
     assert cost.drafter_ms(1) == pytest.approx(2.0)
+
+
+def test_a_rows_bucket_not_seen_yet_borrows_the_nearest_seen_correction():
+    """Plain steps of 1 row observed at 1.5x the bare forward (the host's work around it):
+    8 rows, never observed, are priced 1.5x too rather than at the bare forward, and learn
+    from there; the nearest bucket wins, the lower on a tie."""
+    cost = StepCostModel({1: 10.0, 64: 100.0}, alpha=0.5)
+    for _ in range(30):
+        cost.observe(1, [], 15.0)
+    assert cost.step_ms(1) == pytest.approx(15.0, rel=1e-3)
+    assert cost.step_ms(8) == pytest.approx(1.5 * cost._base(8), rel=1e-3)
+    cost.observe(8, [], cost._base(8))  # as the bare forward once: halfway from 1.5
+    assert cost.step_ms(8) == pytest.approx(1.25 * cost._base(8), rel=1e-3)
+    cost.correction[6] = 2.0  # 32-63 rows
+    assert cost._correction(5) == pytest.approx(1.25) and cost._correction(7) == 2.0
+    assert StepCostModel({1: 10.0}).step_ms(1) == 10.0  # nothing observed: the curve
 
 
 def test_tree_steps_and_chain_steps_learn_their_own_price():
@@ -461,7 +504,26 @@ def test_a_batch_is_not_hopeless_while_a_longer_chain_pays():
     chains = chain_options(3)[1:]
     assert not ctl.admits_drafts(1, chains[0])  # one draft alone: 1.9 tokens in 19.2 ms < 1.05 in 10.1
     assert ctl.admits_drafts(1, chains)  # a chain of 3: 3.4 tokens in 19.4 ms
-    assert not ctl._hopeless(chains, 1, 1) and ctl._hopeless(chains[:1], 1, 1)
+    assert not ctl._hopeless(chains, 1) and ctl._hopeless(chains[:1], 1)
+
+
+def test_a_batch_is_judged_with_every_sequence_drafting():
+    """A drafter level and the price of speculating are paid once per step, whoever drafts
+    (here 3 ms and 6 ms). One request alone would not pay them in a batch of 8 plain ones,
+    but 8 drafting together do: a request joining 8 is admitted attached, and a batch of 8
+    that chose no drafts is not taken for one that rules them out."""
+    cost = Scripted(base=20.0, per_row=0.2, spec_overhead_ms=6.0)
+    cost.drafter_ms = lambda rows: 3.0 if rows else 0.0
+    ctl = controller(cost, probe_every=0)
+    ctl.population.rates = [0.6, 0.6, 0.6]
+    chains = chain_options(3)[1:]
+    # One sequence's drafts (+1.2 tokens on 8) against the whole price (+15 ms on 21.6): a loss.
+    one = (8 + ctl.population.expected_tokens(3)) / (cost.step_ms(12) + 6.0 + 2 * 3.0)
+    assert one < 8 / cost.step_ms(8) * 1.05
+    assert ctl.admits_drafts(8, chains)
+    assert not ctl._hopeless(chains, 8)
+    # Beside 8 rows that cannot draft (a prefill, detached sequences), one drafting sequence pays nothing.
+    assert ctl._hopeless(chains, 1, other_rows=8, other_tokens=8)
 
 
 def test_with_a_branch_the_acceptance_learns_only_the_options_positions():
