@@ -123,10 +123,11 @@ def _add_engine_options(p: argparse.ArgumentParser, bench: bool = False) -> None
     g.add_argument("--tree-topk", type=_positive_int, metavar="K", help="--spec eagle: children per node (default 2)")
     g.add_argument("--tree-tokens", type=_positive_int, metavar="N", help="--spec eagle: tree nodes (default 5: with the root, one 6-row tile of the CPU "
                         "matmuls; bench: eagle:N runs a tree of N nodes)")
-    g.add_argument("--draft-vocab", type=int, metavar="N",
+    g.add_argument("--draft-vocab", type=int, metavar="N", nargs="+" if bench else None,
                    help="--spec mtp/eagle: the head scores only the N most frequent tokens (FR-Spec; e.g. 8192), "
                         "a cheaper draft step; 0 = the full vocabulary; default: the head's own (its config's "
-                        "draft_vocab: 8192 for the shipped head). Outputs do not change")
+                        "draft_vocab: 8192 for the shipped head). Outputs do not change"
+                        + ("; bench: give several to run each head mode (mtp, eagle) with each" if bench else ""))
     g.add_argument("--drafter-weights", choices=("auto", "bf16", "int8"), nargs="+" if bench else None,
                    metavar="auto|bf16|int8",
                    help="--spec draft/mtp/eagle: the drafter's own weights in bf16, or int8 (one scale per "
@@ -326,7 +327,7 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
         spec=dataclasses.replace(config.spec, **given(
             method=spec_method, num_spec_tokens=args.num_spec_tokens, draft_model=args.draft_model,
             head=args.head, tree_depth=args.tree_depth, tree_topk=args.tree_topk, tree_tokens=args.tree_tokens,
-            draft_vocab=args.draft_vocab,
+            draft_vocab=_head_vocab(args.draft_vocab, spec_method),
             tree=args.tree, controller=_one(getattr(args, "speculation_controller", None)),
             drafter_weights=_one(getattr(args, "drafter_weights", None)),
             lookup_branch=_one(getattr(args, "lookup_branch", None)),
@@ -336,7 +337,8 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
         raise ValueError("--num-spec-tokens does not apply to --spec eagle: a tree step verifies --tree-tokens "
                          "nodes (shape the tree with --tree-depth, --tree-topk, --tree-tokens); in bench, give "
                          "a chain mode its own K instead (mtp:3)")
-    if config.spec.draft_vocab and (config.spec.draft_vocab < 0 or config.spec.method in ("draft", "ngram")):
+    if config.spec.draft_vocab and (config.spec.draft_vocab < 0 or config.spec.method in ("draft", "ngram")
+                                    and not isinstance(args.draft_vocab, list)):
         raise ValueError(f"--draft-vocab {config.spec.draft_vocab}: give a positive N, with --spec mtp or eagle "
                          "(the draft model carries its own trimmed vocabulary)")
     if config.spec.lookup_branch and config.spec.method not in BRANCHED_METHODS and \
@@ -355,6 +357,15 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
         config = dataclasses.replace(config, spec=dataclasses.replace(
             config.spec, head=_head_dir(config.model, config.spec.head)))
     return config
+
+
+def _head_vocab(value, method: str | None):
+    """--draft-vocab as one engine takes it: a bench's list (one variant each) configures a head
+    mode with its first size and leaves the other modes at their default (method None: the
+    config's own method, e.g. --step-costs: the first size)."""
+    if isinstance(value, list):
+        return value[0] if method in ("mtp", "eagle", None) else None
+    return value
 
 
 def _one(value):
@@ -548,6 +559,8 @@ def _bench_step_costs(args: argparse.Namespace) -> int:
     from overlap.models.loading import resolve_model_dir
     from runtime import step_costs
 
+    if len(args.draft_vocab or []) > 1:
+        raise ValueError("--step-costs measures one draft vocabulary: give one --draft-vocab N")
     config = engine_config(args, None)
     model = load_llama(resolve_model_dir(config.model, progress=True), torch_dtype(config.dtype),
                        config.device, config.matmul)
@@ -668,9 +681,12 @@ def _bench_variants(args: argparse.Namespace) -> list:
             weights = list(dict.fromkeys(args.drafter_weights or [config.spec.drafter_weights]))
             lookups = list(dict.fromkeys(args.lookup_branch or [config.spec.lookup_branch]))
             drafts = method in BRANCHED_METHODS  # the model drafters: weights and a lookup branch
-            for ctl, wts, lookup in itertools.product(
+            heads = method in ("mtp", "eagle")  # a draft vocabulary
+            vocabs = list(dict.fromkeys(args.draft_vocab or [config.spec.draft_vocab]))
+            for ctl, wts, lookup, vocab in itertools.product(
                     controllers if method != "none" else [config.spec.controller],
-                    weights if drafts else [SpecConfig().drafter_weights], lookups if drafts else [0]):
+                    weights if drafts else [SpecConfig().drafter_weights], lookups if drafts else [0],
+                    vocabs if heads else [config.spec.draft_vocab]):
                 label = mode
                 if len(controllers) > 1 and method != "none":
                     label += f" controller={ctl}"
@@ -678,8 +694,10 @@ def _bench_variants(args: argparse.Namespace) -> list:
                     label += f" {wts}"
                 if lookup:  # 0 for the modes without a model drafter
                     label += f" lookup={lookup}"
+                if len(vocabs) > 1 and heads:
+                    label += f" vocab={vocab}"
                 variants.append(Variant(label, dataclasses.replace(config, spec=dataclasses.replace(
-                    config.spec, controller=ctl, drafter_weights=wts, lookup_branch=lookup))))
+                    config.spec, controller=ctl, drafter_weights=wts, lookup_branch=lookup, draft_vocab=vocab))))
                 if method == "none" and args.aa:
                     # The same engine twice: what "1.00x" looks like on this machine today.
                     variants.append(Variant("none A/A", variants[-1].config))

@@ -74,3 +74,19 @@ def test_bench_runs_each_drafting_mode_with_each_drafter_weights():
                                           "--drafter-weights", "int8"])
     assert [(v.label, v.config.spec.drafter_weights) for v in cli._bench_variants(args)] == [
         ("none", "auto"), ("draft", "int8")]
+
+
+def test_bench_runs_each_head_mode_with_each_draft_vocabulary():
+    """--draft-vocab N M in bench: mtp and eagle run with each size, side by side in one run;
+    the other modes (draft carries its own vocabulary) run once, at their default."""
+    args = cli.build_parser().parse_args(["bench", "--prompts", "p.jsonl", "--spec", "none", "draft:3", "eagle",
+                                          "--draft-vocab", "8192", "4096"])
+    assert [(v.label, v.config.spec.draft_vocab) for v in cli._bench_variants(args)] == [
+        ("none", None), ("draft:3", None), ("eagle vocab=8192", 8192), ("eagle vocab=4096", 4096)]
+    one = cli.build_parser().parse_args(["bench", "--prompts", "p.jsonl", "--spec", "mtp", "--draft-vocab", "2048"])
+    assert [(v.label, v.config.spec.draft_vocab) for v in cli._bench_variants(one)] == [("mtp", 2048)]
+    assert config_of("generate", "x", "--draft-vocab", "4096", method="eagle").spec.draft_vocab == 4096
+    with pytest.raises(ValueError, match="give a positive N, with --spec mtp or eagle"):
+        config_of("generate", "x", "--draft-vocab", "4096", method="draft")
+    with pytest.raises(ValueError, match="measures one draft vocabulary"):
+        cli._bench_step_costs(cli.build_parser().parse_args(["bench", "--step-costs", "--draft-vocab", "1", "2"]))
