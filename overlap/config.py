@@ -103,7 +103,7 @@ class SpecConfig:
     tree_tokens: int = 5
     tree: str = "static"  # eagle: static (fixed shape) | dynamic (EAGLE-2)
     # mtp / eagle: the head scores only the N most frequent tokens (0: the full vocabulary;
-    # None: the head's own choice, its config's `draft_vocab`, 8,192 for the shipped head);
+    # None: the head's own choice, its config's `draft_vocab`, 4,096 for the shipped head);
     # verification stays over the full vocabulary, so outputs do not change.
     draft_vocab: int | None = None
     # draft / mtp / eagle: the drafter's own weights (decoder layers, fusion matmuls, its

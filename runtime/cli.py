@@ -126,7 +126,7 @@ def _add_engine_options(p: argparse.ArgumentParser, bench: bool = False) -> None
     g.add_argument("--draft-vocab", type=int, metavar="N", nargs="+" if bench else None,
                    help="--spec mtp/eagle: the head scores only the N most frequent tokens (FR-Spec; e.g. 8192), "
                         "a cheaper draft step; 0 = the full vocabulary; default: the head's own (its config's "
-                        "draft_vocab: 8192 for the shipped head). Outputs do not change"
+                        "draft_vocab: 4096 for the shipped head). Outputs do not change"
                         + ("; bench: give several to run each head mode (mtp, eagle) with each" if bench else ""))
     g.add_argument("--drafter-weights", choices=("auto", "bf16", "int8"), nargs="+" if bench else None,
                    metavar="auto|bf16|int8",

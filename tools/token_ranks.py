@@ -41,9 +41,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="the head's directory")
     ap.add_argument("--model", default=None, help="target (default: the shipped SmolLM2-135M-Instruct)")
-    ap.add_argument("--default", type=int, default=8192, metavar="N",
+    ap.add_argument("--default", type=int, default=4096, metavar="N",
                     help="the draft vocabulary the head uses when a run names none (its config.json's "
-                         "draft_vocab; 8192 measured best for the shipped head, docs/mtp_eagle.md; 0: full)")
+                         "draft_vocab; 4096 measured best for the shipped head, docs/mtp_eagle.md, 'Session 23'; 0: full)")
     args = ap.parse_args(argv)
     model_dir = resolve_model_dir(args.model, progress=True)
     tokenizer = load_tokenizer(model_dir)

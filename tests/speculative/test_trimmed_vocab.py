@@ -65,7 +65,7 @@ def test_sampling_with_a_trimmed_vocabulary_keeps_the_target_law(tiny_dirs, head
 
 def test_a_head_drafts_with_its_own_vocabulary_unless_told(tiny_dirs, heads, tmp_path):
     """SpecConfig.draft_vocab None: the head's config.json decides (the size measured best for
-    that head; 8,192 for the shipped one); 0 asks for every token; N for N."""
+    that head; 4,096 for the shipped one); 0 asks for every token; N for N."""
     ranked = torch.randperm(49152, generator=torch.Generator().manual_seed(1)).tolist()
     head_dir = trimmed_head(heads["target"], tmp_path, ranked)
     eng = engine(tiny_dirs, head_dir, "target", draft_vocab=0)
@@ -84,5 +84,5 @@ def test_a_head_drafts_with_its_own_vocabulary_unless_told(tiny_dirs, heads, tmp
         default.close()
 
 
-def test_the_shipped_head_drafts_with_8192_tokens():
-    assert json.loads((default_head_dir() / "config.json").read_text())["draft_vocab"] == 8192
+def test_the_shipped_head_drafts_with_4096_tokens():
+    assert json.loads((default_head_dir() / "config.json").read_text())["draft_vocab"] == 4096
