@@ -123,8 +123,8 @@ def _add_engine_options(p: argparse.ArgumentParser, bench: bool = False) -> None
     g.add_argument("--tree-topk", type=_positive_int, metavar="K", help="--spec eagle: children per node (default 2)")
     g.add_argument("--tree-tokens", type=_positive_int, metavar="N", help="--spec eagle: tree nodes (default 5: with the root, one 6-row tile of the CPU "
                         "matmuls; bench: eagle:N runs a tree of N nodes)")
-    g.add_argument("--draft-vocab", type=int, metavar="N", nargs="+" if bench else None,
-                   help="--spec mtp/eagle: the head scores only the N most frequent tokens (FR-Spec; e.g. 8192), "
+    g.add_argument("--draft-vocab", type=_non_negative_int, metavar="N", nargs="+" if bench else None,
+                   help="--spec mtp/eagle: the head scores only the N most frequent tokens (FR-Spec; e.g. 4096), "
                         "a cheaper draft step; 0 = the full vocabulary; default: the head's own (its config's "
                         "draft_vocab: 4096 for the shipped head). Outputs do not change"
                         + ("; bench: give several to run each head mode (mtp, eagle) with each" if bench else ""))
@@ -337,14 +337,22 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
         raise ValueError("--num-spec-tokens does not apply to --spec eagle: a tree step verifies --tree-tokens "
                          "nodes (shape the tree with --tree-depth, --tree-topk, --tree-tokens); in bench, give "
                          "a chain mode its own K instead (mtp:3)")
-    if config.spec.draft_vocab and (config.spec.draft_vocab < 0 or config.spec.method in ("draft", "ngram")
-                                    and not isinstance(args.draft_vocab, list)):
-        raise ValueError(f"--draft-vocab {config.spec.draft_vocab}: give a positive N, with --spec mtp or eagle "
-                         "(the draft model carries its own trimmed vocabulary)")
-    if config.spec.lookup_branch and config.spec.method not in BRANCHED_METHODS and \
-            not isinstance(getattr(args, "lookup_branch", None), list):
-        raise ValueError(f"--lookup-branch {config.spec.lookup_branch}: the branch is verified beside a model "
-                         f"drafter's drafts: give --spec draft, mtp or eagle (--spec {config.spec.method} has none)")
+    if config.spec.draft_vocab and config.spec.method not in ("mtp", "eagle"):
+        if isinstance(args.draft_vocab, int):
+            raise ValueError(f"--draft-vocab {config.spec.draft_vocab}: give a positive N, with --spec mtp or eagle "
+                             "(the draft model carries its own trimmed vocabulary)")
+        # A config file's head setting (configs/smollm2-135m-mtp.toml) with another mode asked
+        # for (--spec draft, or a bench's other modes): it does not apply there.
+        config = dataclasses.replace(config, spec=dataclasses.replace(config.spec, draft_vocab=None))
+    if config.spec.draft_vocab is not None and config.spec.draft_vocab < 0:
+        raise ValueError(f"draft_vocab {config.spec.draft_vocab}: give N >= 0 (0: the full vocabulary)")
+    if config.spec.lookup_branch and config.spec.method not in BRANCHED_METHODS:
+        if isinstance(getattr(args, "lookup_branch", None), int):
+            raise ValueError(f"--lookup-branch {config.spec.lookup_branch}: the branch is verified beside a model "
+                             f"drafter's drafts: give --spec draft, mtp or eagle (--spec {config.spec.method} has "
+                             "none)")
+        # A config file's branch (configs/smollm2-135m-mtp.toml) with a mode that has no drafter.
+        config = dataclasses.replace(config, spec=dataclasses.replace(config.spec, lookup_branch=0))
     bench_sweep = isinstance(getattr(args, "drafter_weights", None), list)  # bench: per drafting mode
     if config.spec.drafter_weights == "int8" and config.spec.method in ("none", "ngram") and not bench_sweep:
         raise ValueError(f"--drafter-weights int8: --spec {config.spec.method} has no drafter weights "
@@ -666,6 +674,9 @@ def _bench_variants(args: argparse.Namespace) -> list:
     else:
         modes = list(dict.fromkeys(args.spec or [engine_config(args).spec.method]))
     modes.sort(key=lambda m: m != "none")
+    if args.draft_vocab and not any(m.partition(":")[0] in ("mtp", "eagle") for m in modes):
+        raise ValueError(f"--draft-vocab {' '.join(map(str, args.draft_vocab))}: the head's draft vocabulary "
+                         f"applies to --spec mtp or eagle, and none is benchmarked ({' '.join(modes)})")
     variants = []
     if not args.server or args.compare_inprocess:
         for mode in modes:

@@ -187,9 +187,11 @@ class Scheduler:
                 for i, w in enumerate(works)]
 
     def _admits_drafts(self, seq: Sequence) -> bool:
-        # Judged by every option that drafts (options[0] is plain decoding).
+        # Judged by every option that drafts (options[0] is plain decoding), in the batch of the
+        # running sequences that draft, the detached ones beside it (as choose() judges it).
         drafting = self._capped_options(seq.num_spec_tokens, seq.num_spec_tokens)[1:]
-        return self.controller.admits_drafts(len(self.running), drafting)
+        attached = sum(1 for s in self.running if s is not seq and s.num_spec_tokens > 0)
+        return self.controller.admits_drafts(attached + 1, drafting, len(self.running) - attached - 1)
 
     def _options(self, work: SeqWork):
         """work.num_spec_tokens is the cap this step (the request's k, less near max_tokens)."""

@@ -11,6 +11,7 @@ context, for batch 1 and batch 8: the median of several timed runs after warm-up
 
 from __future__ import annotations
 
+import json
 import platform
 import statistics
 import time
@@ -289,7 +290,6 @@ def _cache_path(config: EngineConfig, model_cfg) -> Path:
     step from 1.49 to 1.13 plain steps), and a curve cached before it made the controller
     draft short or not at all."""
     import hashlib
-    import json
 
     from overlap.kernels import build_name
 
@@ -303,9 +303,18 @@ def _cache_path(config: EngineConfig, model_cfg) -> Path:
 
 
 def _drafter_key(spec) -> list:
-    """What the drafter's calibrated step depends on beside the target's."""
+    """What the drafter's calibrated step depends on beside the target's. A head's draft
+    vocabulary as it will be used: the spec's, else the head's own config.json's (a head whose
+    default size changed must not keep the step measured at the old one)."""
     weights = spec.draft_model if spec.method == "draft" else spec.head if spec.method in ("mtp", "eagle") else None
-    return [spec.method, str(weights), spec.draft_vocab, spec.drafter_weights]
+    vocab = spec.draft_vocab
+    if vocab is None and spec.method in ("mtp", "eagle"):
+        try:
+            raw = json.loads((Path(spec.head or default_head_dir()) / "config.json").read_text())
+            vocab = raw.get("draft_vocab") or 0
+        except (OSError, ValueError):
+            pass  # no head there: the head's own load reports it
+    return [spec.method, str(weights), vocab, spec.drafter_weights]
 
 
 def controller_cost_model(config: EngineConfig, model: LlamaModel | None = None, model_cfg=None,

@@ -511,6 +511,10 @@ class SpeculationController:
         else:
             picked = self._search(candidates, other_rows, other_tokens)
         hopeless: dict[tuple, bool] = {}  # per set of options: the verdict is the batch's
+        # The batch that could draft: candidates capped at plain decoding this step (no room
+        # before max_tokens) decode beside it, as the other rows do.
+        drafters = sum(1 for c in candidates if len(c.options) > 1)
+        beside = len(candidates) - drafters
         for c, o in zip(candidates, picked):
             self.chosen[o.k] += 1
             if o.depth:
@@ -524,7 +528,8 @@ class SpeculationController:
             drafting = tuple(c.options[1:])
             if self.config.enabled and drafting:
                 if drafting not in hopeless:
-                    hopeless[drafting] = self._hopeless(drafting, len(candidates), other_rows, other_tokens)
+                    hopeless[drafting] = self._hopeless(drafting, drafters, other_rows + beside,
+                                                        other_tokens + beside)
                 self.hopeless_streak[c.key] += hopeless[drafting]
         return picked
 
@@ -541,12 +546,14 @@ class SpeculationController:
         self.detached += 1
         return True
 
-    def admits_drafts(self, batch: int, options: SpecOption | list[SpecOption]) -> bool:
-        """Whether a request joining `batch` decoding sequences (itself included) starts
-        attached: unless the batch rules out every one of its drafting `options` for an average
-        request (the `detach_hopeless` verdict, given before the drafter has followed it)."""
+    def admits_drafts(self, batch: int, options: SpecOption | list[SpecOption], others: int = 0) -> bool:
+        """Whether a request joining `batch` sequences that draft (itself included), beside
+        `others` that do not (detached), starts attached: unless that batch rules out every one
+        of its drafting `options` for an average request (the `detach_hopeless` verdict, given
+        before the drafter has followed it; the same verdict `choose` gives a running batch)."""
         options = [options] if isinstance(options, SpecOption) else list(options)
-        if not self.config.enabled or not self.config.detach_hopeless or not self._hopeless(options, batch):
+        if not self.config.enabled or not self.config.detach_hopeless or \
+                not self._hopeless(options, batch, others, others):
             return True
         self.turned_away += 1
         if self.config.probe_every and self.turned_away % self.config.probe_every == 0:

@@ -2,6 +2,8 @@
 --device / --attention-backend reach the EngineConfig, and --num-spec-tokens is an error
 with --spec eagle instead of being ignored. No model loads here."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -90,3 +92,23 @@ def test_bench_runs_each_head_mode_with_each_draft_vocabulary():
         config_of("generate", "x", "--draft-vocab", "4096", method="draft")
     with pytest.raises(ValueError, match="measures one draft vocabulary"):
         cli._bench_step_costs(cli.build_parser().parse_args(["bench", "--step-costs", "--draft-vocab", "1", "2"]))
+    with pytest.raises(ValueError, match="none is benchmarked"):
+        cli._bench_variants(cli.build_parser().parse_args(["bench", "--prompts", "p.jsonl", "--spec", "none", "draft",
+                                                           "--draft-vocab", "4096"]))
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["bench", "--prompts", "p.jsonl", "--draft-vocab", "4096", "-1"])
+
+
+def test_a_config_files_draft_vocabulary_stays_with_its_head_modes():
+    """configs/smollm2-135m-mtp.toml names the head's vocabulary and a lookup branch; asked for
+    another mode (the draft model, or a bench's none), they apply where they can and are not
+    an error (a bench of that config with --spec none failed on both before)."""
+    mtp = str(Path(cli.__file__).resolve().parent.parent / "configs" / "smollm2-135m-mtp.toml")
+    assert config_of("generate", "x", "--config", mtp, method="mtp").spec.draft_vocab == 4096
+    assert config_of("generate", "x", "--config", mtp, method="draft").spec.draft_vocab is None
+    args = cli.build_parser().parse_args(["bench", "--prompts", "p.jsonl", "--config", mtp,
+                                          "--spec", "none", "draft:3", "mtp:3"])
+    assert [(v.label, v.config.spec.draft_vocab, v.config.spec.lookup_branch) for v in cli._bench_variants(args)] == [
+        ("none", None, 0), ("draft:3 lookup=8", None, 8), ("mtp:3 lookup=8", 4096, 8)]
+    with pytest.raises(ValueError, match="the branch is verified beside a model drafter"):  # asked for: an error
+        config_of("generate", "x", "--lookup-branch", "4", method="ngram")

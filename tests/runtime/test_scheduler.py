@@ -161,7 +161,7 @@ class FixedChoices:
     def should_detach(self, key):
         return False
 
-    def admits_drafts(self, batch, options):
+    def admits_drafts(self, batch, options, others=0):
         return True
 
     def forget(self, key):
@@ -263,7 +263,7 @@ def test_a_request_is_admitted_detached_where_its_batch_rules_drafts_out():
     from overlap.speculative.controller import ControllerConfig, SpeculationController
     from speculative.test_controller import Scripted
 
-    # One draft pays alone (batch 1) and not beside another decode (batch 2).
+    # One draft pays alone (batch 1) and not when both draft (batch 2).
     ctl = SpeculationController(Scripted(base=10.0, per_row=6.0), ControllerConfig(probe_every=0))
     s = Scheduler(SchedulerConfig(max_batched_tokens=64), PageAllocator(64, 4), (2,), ctl)
     s.add("a", [10, 11, 12], SamplingParams(max_tokens=20), seed=0, num_spec_tokens=3)
@@ -276,6 +276,31 @@ def test_a_request_is_admitted_detached_where_its_batch_rules_drafts_out():
     assert s.by_request["b"].num_spec_tokens == 0 and ctl.stats()["spec_detached"] == 1
     plan, _ = fake_run(s)
     assert [w.num_spec_tokens for w in plan.seqs if s.by_seq[w.seq_id].request_id == "b"] == [0]
+
+
+def test_admission_counts_the_detached_sequences_beside_the_batch():
+    """A request joining a running sequence that was detached would draft alone beside it;
+    one joining a sequence that drafts, with it: admission asks the batch choose() will judge."""
+    from overlap.speculative.controller import ControllerConfig, SpeculationController
+    from speculative.test_controller import Scripted
+
+    seen = []
+
+    class Recording(SpeculationController):
+        def admits_drafts(self, batch, options, others=0):
+            seen.append((batch, others))
+            return super().admits_drafts(batch, options, others)
+
+    ctl = Recording(Scripted(base=10.0, per_row=0.5), ControllerConfig(probe_every=0))
+    s = Scheduler(SchedulerConfig(max_batched_tokens=64), PageAllocator(64, 4), (2,), ctl)
+    s.add("a", [10, 11, 12], SamplingParams(max_tokens=20), seed=0, num_spec_tokens=3)
+    fake_run(s)
+    s.by_request["a"].num_spec_tokens = 0  # detached
+    s.add("b", [20, 21, 22], SamplingParams(max_tokens=20), seed=1, num_spec_tokens=3)
+    fake_run(s)
+    s.add("c", [30, 31, 32], SamplingParams(max_tokens=20), seed=2, num_spec_tokens=3)
+    fake_run(s)
+    assert seen == [(1, 0), (1, 1), (2, 1)]
 
 
 def test_the_engine_and_the_server_offer_eagle_chains_alike():

@@ -91,3 +91,18 @@ def test_a_kernel_change_measures_the_curve_again(monkeypatch, tmp_path):
     assert step_costs._cache_path(config, arch) != cached
     model = step_costs.controller_cost_model(config, model_cfg=arch)
     assert model.rows == sorted(step_costs.DEFAULT_CURVE)
+
+
+def test_a_heads_own_draft_vocabulary_is_part_of_the_cache_key(tmp_path):
+    """A run naming no --draft-vocab drafts with the head's config.json size: when the shipped
+    head's size changed (8,192 -> 4,096), a curve cached with the old size's head step must
+    not be reused."""
+    from overlap.config import SpecConfig
+    from runtime.step_costs import _drafter_key
+
+    (tmp_path / "config.json").write_text(json.dumps({"draft_vocab": 8192}))
+    spec = SpecConfig(method="eagle", head=str(tmp_path))
+    before = _drafter_key(spec)
+    (tmp_path / "config.json").write_text(json.dumps({"draft_vocab": 4096}))
+    assert _drafter_key(spec) != before and 4096 in _drafter_key(spec)
+    assert 2048 in _drafter_key(SpecConfig(method="eagle", head=str(tmp_path), draft_vocab=2048))

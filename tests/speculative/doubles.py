@@ -148,7 +148,7 @@ class RandomChoices:
     def should_detach(self, key):
         return False
 
-    def admits_drafts(self, batch, options):
+    def admits_drafts(self, batch, options, others=0):
         return True
 
     def forget(self, key):

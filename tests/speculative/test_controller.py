@@ -514,16 +514,25 @@ def test_a_batch_is_judged_with_every_sequence_drafting():
     that chose no drafts is not taken for one that rules them out."""
     cost = Scripted(base=20.0, per_row=0.2, spec_overhead_ms=6.0)
     cost.drafter_ms = lambda rows: 3.0 if rows else 0.0
-    ctl = controller(cost, probe_every=0)
-    ctl.population.rates = [0.6, 0.6, 0.6]
+    ctl = controller(cost, probe_every=0, detach_hopeless=3, relax=0.0)
     chains = chain_options(3)[1:]
-    # One sequence's drafts (+1.2 tokens on 8) against the whole price (+15 ms on 21.6): a loss.
-    one = (8 + ctl.population.expected_tokens(3)) / (cost.step_ms(12) + 6.0 + 2 * 3.0)
-    assert one < 8 / cost.step_ms(8) * 1.05
-    assert ctl.admits_drafts(8, chains)
-    assert not ctl._hopeless(chains, 8)
-    # Beside 8 rows that cannot draft (a prefill, detached sequences), one drafting sequence pays nothing.
-    assert ctl._hopeless(chains, 1, other_rows=8, other_tokens=8)
+    ctl.population.rates = [0.6, 0.6, 0.6]
+    assert ctl.admits_drafts(8, chains)  # joining 7 that draft
+    # Joining 7 detached ones, it would draft alone: +1.2 tokens on 8 for the whole price.
+    assert not ctl.admits_drafts(1, chains, others=7)
+    # 8 whose own drafts miss choose plain decoding, but the batch does not rule drafts out
+    # (an average request's would pay): none is detached as hopeless.
+    for key in range(8):
+        train(ctl, key, 0, k=3)
+    ctl.population.rates = [0.6, 0.6, 0.6]
+    cands = [Candidate(key, chain_options(3)) for key in range(8)]
+    for _ in range(4):
+        assert ctl.choose(cands) == [PLAIN] * 8
+    assert not any(ctl.should_detach(key) for key in range(8)) and sum(ctl.hopeless_streak.values()) == 0
+    # Candidates capped at plain decoding (no room left) decode beside the batch, not in it:
+    # one that could draft among 7 such is judged alone, and its batch rules drafts out.
+    assert ctl.choose([Candidate("a", chain_options(3))] + [Candidate(i, [PLAIN]) for i in range(7)]) == [PLAIN] * 8
+    assert ctl.hopeless_streak["a"] == 1
 
 
 def test_with_a_branch_the_acceptance_learns_only_the_options_positions():
