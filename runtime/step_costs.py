@@ -309,9 +309,11 @@ def _drafter_key(spec) -> list:
     weights = spec.draft_model if spec.method == "draft" else spec.head if spec.method in ("mtp", "eagle") else None
     vocab = spec.draft_vocab
     if vocab is None and spec.method in ("mtp", "eagle"):
+        from overlap.models.heads import configured_draft_vocab
+
         try:
             raw = json.loads((Path(spec.head or default_head_dir()) / "config.json").read_text())
-            vocab = raw.get("draft_vocab") or 0
+            vocab = configured_draft_vocab(raw)
         except (OSError, ValueError):
             pass  # no head there: the head's own load reports it
     return [spec.method, str(weights), vocab, spec.drafter_weights]

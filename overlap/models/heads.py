@@ -286,10 +286,16 @@ def load_head(head_dir, target: LlamaModel, dtype: torch.dtype | None = None,
         raise ValueError(f"MTP head {head_dir}: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     head.requires_grad_(False)
     if draft_vocab is None:
-        draft_vocab = int(raw.get("draft_vocab") or 0)
+        draft_vocab = configured_draft_vocab(raw)
     if draft_vocab:
         head.trim_vocabulary(load_token_ranks(head_dir, cfg.vocab_size)[:draft_vocab])
     return head.eval()
+
+
+def configured_draft_vocab(raw: dict) -> int:
+    """The draft vocabulary a head's config.json names for runs that name none (0: every
+    token): what load_head uses, and what the step-cost cache is keyed by."""
+    return int(raw.get("draft_vocab") or 0)
 
 
 def load_token_ranks(head_dir, vocab_size: int) -> torch.Tensor:

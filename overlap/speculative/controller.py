@@ -254,18 +254,17 @@ class StepCostModel:
     def spec_overhead_ms(self, speculating: int, tree: bool = False) -> float:
         # This kind's buckets only: a kind not seen yet is free, so it gets tried and measured
         # (borrowing the tree's price kept EAGLE's cheaper chains from ever being tried).
-        seen = sorted((o.count, o.ms) for (b, t), o in self.overhead.items() if o.ready and t == tree)
+        seen = {b: o for (b, t), o in self.overhead.items() if o.ready and t == tree}
         if speculating <= 0 or not seen:
             return 0.0
         if len(seen) == 1:
             # One bucket: nothing says how its price splits. It shrinks in proportion below the
             # bucket's sequences and stays flat above them: optimistic either way, so another
             # batch size gets tried, measured, and fitted.
-            count, ms = seen[0]
-            return ms * min(speculating / count, 1.0)
-        fixed, per_seq = _fixed_plus_per_sequence(seen)
-        own = next((o for (b, t), o in self.overhead.items()
-                    if o.ready and t == tree and b == self._bucket(speculating)), None)
+            (only,) = seen.values()
+            return only.ms * min(speculating / only.count, 1.0)
+        fixed, per_seq = _fixed_plus_per_sequence([(o.count, o.ms) for o in seen.values()])
+        own = seen.get(self._bucket(speculating))
         if own is not None:  # its own bucket's price, moved along the fitted slope within it
             return max(own.ms + per_seq * (speculating - own.count), 0.0)
         return fixed + per_seq * speculating
