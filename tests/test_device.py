@@ -10,12 +10,29 @@ import pytest
 import torch
 
 from overlap.config import CacheConfig, EngineConfig, SpecConfig
-from overlap.device import CpuStream, Device, DeviceError, HostCopy
+from overlap.device import CpuStream, Device, DeviceError, HostCopy, upload
 from overlap.futures import EventFuture
 from runtime.engine import Engine
 from runtime.messages import SamplingParams
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_cpu_upload_builds_what_torch_tensor_builds():
+    """The CPU staging goes through numpy (no GIL hand-off per array); each tensor must be
+    the one torch.tensor makes: dtype, shape (nested and empty lists), float32 rounding."""
+    import numpy as np
+
+    given = np.array([7, 8, 9])
+    arrays = [([1, 2, 3], torch.long), ([[1, 0], [0, 2]], torch.long), ([], torch.long),
+              ([0.1, 1e-40, 3.4e38], torch.float32), ([True, False], torch.bool), ([2**62, -5], torch.long),
+              (given, torch.int32)]
+    for (values, dtype), got in zip(arrays, upload("cpu", *arrays)):
+        want = torch.tensor(values, dtype=dtype)
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    staged = upload("cpu", (given, torch.long))[0]
+    given[0] = 0  # the upload is a copy: later changes to the caller's array do not reach it
+    assert staged.tolist() == [7, 8, 9]
 
 
 def test_stream_runs_in_order_and_events_follow_the_work():
