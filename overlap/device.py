@@ -351,11 +351,13 @@ class HostStaging:
         """arrays: (values, dtype) pairs; values a (nested) list or numpy array → one device
         tensor per pair, same shape."""
         with host_io():
-            if not self.is_cuda:
+            if self.device.type == "cpu":
                 # Through numpy: torch.tensor(list) hands the GIL to the stream's worker thread
                 # and waits to get it back (its copy to the target device runs without it), once
                 # per array, while the worker runs the drafter's catch-up; np.array does not.
                 return [torch.from_numpy(np.array(values, dtype=_NP_DTYPES[dtype])) for values, dtype in arrays]
+            if not self.is_cuda:  # another device (tests plan on "meta")
+                return [torch.tensor(values, dtype=dtype, device=self.device) for values, dtype in arrays]
             host = [np.asarray(values, dtype=_NP_DTYPES[dtype]) for values, dtype in arrays]
             offsets, total = [], 0
             for a in host:
