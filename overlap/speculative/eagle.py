@@ -81,6 +81,7 @@ class EagleProposer(HeadProposer):
         self.verified_shapes = {c: _VerifiedShape(list(range(c)), [0] * c, tree_mask_from_parents(list(range(-1, c))),
                                              list(range(1, c + 1))) for c in range(1, len(self.top_path) + 1)}
         self.verified_shapes[self.num_nodes] = _VerifiedShape(parents, self.sibling_order, self.verify_mask, depths)
+        self._level_plans: dict[frozenset[int] | None, list[_Level]] = {}
 
     def _granted(self, k: int, seq: SeqWork) -> int:
         """Drafts a sequence asked for k gets: the tree (k >= its nodes), a chain of up to the
@@ -147,6 +148,33 @@ class EagleProposer(HeadProposer):
             return torch.topk(logits, min(k, logits.shape[-1])).indices
         return ids[torch.topk(logits.index_select(1, ids), k).indices]
 
+    def _levels(self, only: set[int] | None, device: torch.device) -> list[_Level]:
+        """The expansion levels for the nodes wanted (all, or `only`), made once per set: the
+        tree's shape fixes them, and rebuilding them per step cost more than a tenth of a
+        millisecond of host work a step."""
+        key = None if only is None else frozenset(only)
+        levels = self._level_plans.get(key)
+        if levels is not None:
+            return levels
+        levels = []
+        ranks = self.tree.ranks()
+        depth = self.depth if only is None else max(self.node_depths[n - 1] for n in only)
+        for level in range(1, depth + 1):
+            nodes = [n for n in range(1, self.num_nodes + 1)
+                     if self.node_depths[n - 1] == level and (only is None or n in only)]
+            draws = []
+            for parent in sorted({self.node_parents[n - 1] for n in nodes}):
+                children = [n for n in nodes if self.node_parents[n - 1] == parent]
+                draws.append((parent, *upload(device, (children, torch.long), ([ranks[n - 1] for n in children], torch.long))))
+            rows, mask = self.rows_for_level(level, only) if level < depth else ([], None)
+            levels.append(_Level(draws, rows, upload(device, (rows, torch.long))[0],
+                                 [self.node_parents[r - 1] for r in rows], mask,
+                                 [self.node_depths[r - 1] - 1 for r in rows]))
+            if not rows:
+                break
+        self._level_plans[key] = levels
+        return levels
+
     def propose_tree(self, seqs: list[SeqWork], only: set[int] | None = None) -> torch.Tensor:
         """→ node tokens [B, N] i64 for every sequence of `seqs` (the same shape for all).
         only: the nodes wanted (ancestor-closed, e.g. a prefix of the top path); the others'
@@ -159,35 +187,36 @@ class EagleProposer(HeadProposer):
         # Per node: the head output its children are ranked from (root: the carried logits).
         node_logits: dict[int, torch.Tensor] = {0: logits}
         node_hidden: dict[int, torch.Tensor] = {0: root_hidden}
-        ranks = self.tree.ranks()
-        depth = self.depth if only is None else max(self.node_depths[n - 1] for n in only)
-        for level in range(1, depth + 1):
+        top_k = max(self.tree.ranks()) + 1
+        for level in self._levels(only, device):
             # 1. this level's nodes get their tokens from their parents' top-ranked tokens
-            level_nodes = [n for n in range(1, self.num_nodes + 1)
-                           if self.node_depths[n - 1] == level and (only is None or n in only)]
-            top = {p: self._top_tokens(node_logits[p], max(ranks) + 1)
-                   for p in {self.node_parents[n - 1] for n in level_nodes}}
-            for node in level_nodes:
-                tokens[:, node] = top[self.node_parents[node - 1]][:, ranks[node - 1]]
-            if level == depth:
+            for parent, nodes, ranks in level.draws:
+                tokens[:, nodes] = self._top_tokens(node_logits[parent], top_k)[:, ranks]
+            if not level.rows:
                 break
             # 2. the head over every internal node so far (ancestors visible), for the next level
-            rows, mask = self.rows_for_level(level, only)
-            if not rows:
-                break
-            q = len(rows)
-            ids = tokens[:, upload(device, (rows, torch.long))[0]].reshape(-1)  # [B*q]
-            hidden = torch.stack([node_hidden[self.node_parents[r - 1]] for r in rows], dim=1).reshape(b * q, -1)
-            positions, attn = [], []
-            for s in seqs:
-                n = s.start_pos  # the root x_n's position
-                positions += [n - 1 + self.node_depths[r - 1] for r in rows]
-                attn.append(SeqAttention(q, n + q, s.page_table, tree_mask=mask))
+            q = len(level.rows)
+            ids = tokens[:, level.row_index].reshape(-1)  # [B*q]
+            hidden = torch.stack([node_hidden[p] for p in level.row_parents], dim=1).reshape(b * q, -1)
+            # The root x_n sits at position n; a row of depth d drafts from position n - 1 + d.
+            positions = [s.start_pos + offset for s in seqs for offset in level.depth_offsets]
+            attn = [SeqAttention(q, s.start_pos + q, s.page_table, tree_mask=level.mask) for s in seqs]
             out_logits, out_hidden = self._run(ids, hidden, positions, attn, list(range(b * q)))
             out_logits, out_hidden = out_logits.view(b, q, -1), out_hidden.view(b, q, -1)
-            for j, r in enumerate(rows):
+            for j, r in enumerate(level.rows):
                 node_logits[r], node_hidden[r] = out_logits[:, j], out_hidden[:, j]
         return tokens[:, 1:]
+
+
+class _Level(NamedTuple):
+    """One expansion level of EagleProposer.propose_tree, fixed by the tree's shape."""
+
+    draws: list[tuple[int, torch.Tensor, torch.Tensor]]  # (a parent, its children here, their ranks)
+    rows: list[int]  # the internal nodes of depth <= level the head runs on next (none: the last level)
+    row_index: torch.Tensor  # rows, as `tokens` columns
+    row_parents: list[int]  # each row's parent: whose head hidden the row reads
+    mask: torch.Tensor | None  # [q, q] the rows' ancestor mask
+    depth_offsets: list[int]  # each row's depth - 1: its position past the root's
 
 
 @dataclass(frozen=True)
