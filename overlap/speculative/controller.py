@@ -440,7 +440,12 @@ class BranchYield:
 class ControllerConfig:
     enabled: bool = True  # off: every sequence verifies its cap (the fixed-k behaviour)
     prior: float = 0.6  # acceptance assumed before any request has been measured
-    alpha: float = 0.3  # weight of the newest step in a sequence's acceptance average
+    # Weight of the newest step in a sequence's acceptance average. Acceptance comes in bursts
+    # (a miss or three, then a copied run): at 0.3 three misses cut an estimate to a third and
+    # the sequence went plain or short for steps that fixed k would have won (batch 1, mtp:3:
+    # 4.7% slower than fixed k); 0.1 recovered 3-5% of that at batch 1 and 10% at a batch of 8
+    # (paired runs in one process, docs/controller.md, "Session 24"); 0.05 was no better.
+    alpha: float = 0.1
     population_alpha: float = 0.02  # ... in the average over every request (a new request's prior)
     relax: float = 0.02  # per plain step, pull toward the population (re-probing a turned-off sequence)
     # Speculate only if the predicted rate beats plain decoding by this factor: a margin for

@@ -65,7 +65,7 @@ def test_steep_curve_picks_no_drafts(per_row):
 
 def test_zero_acceptance_picks_no_drafts_even_on_a_flat_curve():
     ctl = controller(Scripted(per_row=0.01, drafter=0.1))
-    train(ctl, "a", 0)
+    train(ctl, "a", 0, steps=60)  # the average forgets the 0.6 prior (alpha 0.1: 0.6 * 0.9^60)
     assert ctl.choose([Candidate("a", chain_options(4))]) == [PLAIN]
 
 
@@ -75,14 +75,16 @@ def test_backs_off_a_request_whose_acceptance_drops_within_a_few_steps():
     train(ctl, "b", 4)
     cands = [Candidate("a", chain_options(4)), Candidate("b", chain_options(4))]
     assert [o.k for o in ctl.choose(cands)] == [4, 4]
-    for step in range(1, 11):  # "a" starts producing unpredictable text: every first draft rejected
+    for step in range(1, 41):  # "a" starts producing unpredictable text: every first draft rejected
         ctl.observe("a", 4, 0)
         ctl.observe("b", 4, 4)
         ks = [o.k for o in ctl.choose(cands)]
         if ks[0] == 0:
             break
     assert ks == [0, 4], ks
-    assert step <= 6, f"took {step} steps to back off"
+    # Not at the first misses (acceptance comes in bursts: the average's alpha, 0.1), but
+    # within a couple of dozen steps of nothing landing.
+    assert 3 < step <= 25, f"took {step} steps to back off"
 
 
 def test_caps_are_respected_and_choices_mix_per_sequence():
@@ -540,14 +542,15 @@ def test_with_a_branch_the_acceptance_learns_only_the_options_positions():
     past the chain's depth is the branch's. The chain's acceptance learns positions 1..2;
     what the branch copied past them is its yield."""
     ctl = controller(Scripted())
-    for _ in range(10):
+    for _ in range(30):
         ctl.observe("a", 8, 2, depth=2, branch_rows=8)  # both chain drafts land, the branch missed
     acc = ctl._acc("a")
     assert len(acc.rates) == 2 and acc.at(1) > 0.9 and acc.at(2) > 0.9
     assert acc.at(3) == ctl.population.at(3)  # never tested: the population's estimate
-    for _ in range(10):
+    for _ in range(30):
         ctl.observe("b", 8, 6, depth=2, branch_rows=8)  # the branch copied 6
     assert len(ctl._acc("b").rates) == 2 and ctl._branch("b")[1] > 3.0
     # Without a branch the reported drafts are the option's own: every position is learned.
+    before = ctl.population.at(2)  # what "c", never measured, starts from
     ctl.observe("c", 4, 1)
-    assert len(ctl._acc("c").rates) == 2 and ctl._acc("c").at(2) < ctl.config.prior
+    assert len(ctl._acc("c").rates) == 2 and ctl._acc("c").at(2) < before
