@@ -165,7 +165,8 @@ class EagleProposer(HeadProposer):
             draws = []
             for parent in sorted({self.node_parents[n - 1] for n in nodes}):
                 children = [n for n in nodes if self.node_parents[n - 1] == parent]
-                draws.append((parent, *upload(device, (children, torch.long), ([ranks[n - 1] for n in children], torch.long))))
+                child_ranks = [ranks[n - 1] for n in children]
+                draws.append((parent, *upload(device, (children, torch.long), (child_ranks, torch.long))))
             rows, mask = self.rows_for_level(level, only) if level < depth else ([], None)
             levels.append(_Level(draws, rows, upload(device, (rows, torch.long))[0],
                                  [self.node_parents[r - 1] for r in rows], mask,
