@@ -351,13 +351,8 @@ class HostStaging:
         """arrays: (values, dtype) pairs; values a (nested) list or numpy array → one device
         tensor per pair, same shape."""
         with host_io():
-            if self.device.type == "cpu":
-                # Through numpy: torch.tensor(list) hands the GIL to the stream's worker thread
-                # and waits to get it back (its copy to the target device runs without it), once
-                # per array, while the worker runs the drafter's catch-up; np.array does not.
-                return [torch.from_numpy(np.array(values, dtype=_NP_DTYPES[dtype])) for values, dtype in arrays]
-            if not self.is_cuda:  # another device (tests plan on "meta")
-                return [torch.tensor(values, dtype=dtype, device=self.device) for values, dtype in arrays]
+            if not self.is_cuda:
+                return [self._host_tensor(values, dtype) for values, dtype in arrays]
             host = [np.asarray(values, dtype=_NP_DTYPES[dtype]) for values, dtype in arrays]
             offsets, total = [], 0
             for a in host:
@@ -383,6 +378,15 @@ class HostStaging:
                 self.copies += 1
             return [dev[off: off + a.nbytes].view(dtype).view(a.shape)
                     for a, off, (_, dtype) in zip(host, offsets, arrays)]
+
+
+    def _host_tensor(self, values: object, dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type == "cpu" and dtype in _NP_DTYPES:
+            # Through numpy: torch.tensor(list) hands the GIL to the stream's worker thread and
+            # waits to get it back (its copy to the target device runs without it), once per
+            # array, while the worker runs the drafter's catch-up; np.array does not.
+            return torch.from_numpy(np.array(values, dtype=_NP_DTYPES[dtype]))
+        return torch.tensor(values, dtype=dtype, device=self.device)  # other dtypes; "meta" in tests
 
 
 _stagings: dict[torch.device, HostStaging] = {}

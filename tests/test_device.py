@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,8 +22,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_cpu_upload_builds_what_torch_tensor_builds():
     """The CPU staging goes through numpy (no GIL hand-off per array); each tensor must be
     the one torch.tensor makes: dtype, shape (nested and empty lists), float32 rounding."""
-    import numpy as np
-
     given = np.array([7, 8, 9])
     arrays = [([1, 2, 3], torch.long), ([[1, 0], [0, 2]], torch.long), ([], torch.long),
               ([0.1, 1e-40, 3.4e38], torch.float32), ([True, False], torch.bool), ([2**62, -5], torch.long),

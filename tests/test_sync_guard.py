@@ -5,9 +5,11 @@ would serialize the pipeline (docs/architecture.md §6, the hot-path rule).
 
 On the CPU there is no device to catch it, so the calls themselves are checked: every step
 runs under a TorchFunctionMode (on the main thread and on the stream worker threads) that
-records torch.tensor / as_tensor / asarray / from_numpy, indexing with Python lists, and
+records torch.tensor / as_tensor / asarray, indexing with Python lists, and
 .item() / .tolist() / .cpu() / .numpy() / bool() / int() / float() on tensors, unless
-called inside `overlap.device.host_io()`. The torch-only backend is used: its planning
+called inside `overlap.device.host_io()`. (torch.from_numpy does not reach a
+TorchFunctionMode, so it is listed but never seen; the code builds only host arrays with
+it: the CPU staging's and tree masks.) The torch-only backend is used: its planning
 stages through the same point as the executor's (FlashInfer's plan reads pinned host
 arrays by design and is checked by its own tests)."""
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from overlap.attention.base import SeqAttention
+from overlap.device import upload
 from overlap.kernels import paged_attention
 from overlap.kv import KVPool, slot_mapping
 
@@ -45,24 +45,17 @@ class CpuBackend:
             q_start.append(row)
             row += s.q_len
             slots += slot_mapping(s.page_table, s.kv_len - s.q_len, s.kv_len, page_size)
-        # numpy builds the tensors: torch.tensor(list) hands the GIL to the other Python thread
-        # (the stream's worker, or the host planning the next step) and waits to get it back.
-        return CpuMetadata(
-            _tensor(slots, np.int64),
-            _tensor(q_start, np.int32),
-            _tensor([s.q_len for s in seqs], np.int32),
-            _tensor([s.kv_len for s in seqs], np.int32),
-            _tensor([s.page_table + [0] * (width - len(s.page_table)) for s in seqs], np.int32),
-            page_size, _tree_rows(seqs, row))
+        # Through the CPU staging (numpy): torch.tensor(list) hands the GIL to the other Python
+        # thread (the stream's worker, or the host planning the next step) and waits for it back.
+        staged = upload("cpu", (slots, torch.long), (q_start, torch.int32), ([s.q_len for s in seqs], torch.int32),
+                        ([s.kv_len for s in seqs], torch.int32),
+                        ([s.page_table + [0] * (width - len(s.page_table)) for s in seqs], torch.int32))
+        return CpuMetadata(*staged, page_size, _tree_rows(seqs, row))
 
     def run(self, layer: int, q: torch.Tensor, kv: KVPool, meta: CpuMetadata) -> torch.Tensor:
         k, v = kv.flat(layer)
         return paged_attention(q, k, v, meta.q_start, meta.q_len, meta.kv_len, meta.page_table,
                                meta.page_size, meta.tree, 1.0 / math.sqrt(q.shape[-1]))
-
-
-def _tensor(values: list, dtype) -> torch.Tensor:
-    return torch.from_numpy(np.array(values, dtype=dtype))
 
 
 def _tree_rows(seqs: list[SeqAttention], num_rows: int) -> torch.Tensor | None:

@@ -445,6 +445,7 @@ class ControllerConfig:
     # the sequence went plain or short for steps that fixed k would have won (batch 1, mtp:3:
     # 4.7% slower than fixed k); 0.1 recovered 3-5% of that at batch 1 and 10% at a batch of 8
     # (paired runs in one process, docs/controller.md, "Session 24"); 0.05 was no better.
+    # The branch yields' averages (BranchYield) take the same weight.
     alpha: float = 0.1
     population_alpha: float = 0.02  # ... in the average over every request (a new request's prior)
     relax: float = 0.02  # per plain step, pull toward the population (re-probing a turned-off sequence)

@@ -82,6 +82,7 @@ class EagleProposer(HeadProposer):
                                              list(range(1, c + 1))) for c in range(1, len(self.top_path) + 1)}
         self.verified_shapes[self.num_nodes] = _VerifiedShape(parents, self.sibling_order, self.verify_mask, depths)
         self._level_plans: dict[frozenset[int] | None, list[_Level]] = {}
+        self.top_k = max(shape.ranks()) + 1  # tokens ranked per expanded node
 
     def _granted(self, k: int, seq: SeqWork) -> int:
         """Drafts a sequence asked for k gets: the tree (k >= its nodes), a chain of up to the
@@ -148,7 +149,7 @@ class EagleProposer(HeadProposer):
             return torch.topk(logits, min(k, logits.shape[-1])).indices
         return ids[torch.topk(logits.index_select(1, ids), k).indices]
 
-    def _levels(self, only: set[int] | None, device: torch.device) -> list[_Level]:
+    def _levels(self, only: set[int] | None) -> list[_Level]:
         """The expansion levels for the nodes wanted (all, or `only`), made once per set: the
         tree's shape fixes them, and rebuilding them per step cost more than a tenth of a
         millisecond of host work a step."""
@@ -157,7 +158,7 @@ class EagleProposer(HeadProposer):
         if levels is not None:
             return levels
         levels = []
-        ranks = self.tree.ranks()
+        ranks, device = self.tree.ranks(), self.kv.k[0].device
         depth = self.depth if only is None else max(self.node_depths[n - 1] for n in only)
         for level in range(1, depth + 1):
             nodes = [n for n in range(1, self.num_nodes + 1)
@@ -188,11 +189,10 @@ class EagleProposer(HeadProposer):
         # Per node: the head output its children are ranked from (root: the carried logits).
         node_logits: dict[int, torch.Tensor] = {0: logits}
         node_hidden: dict[int, torch.Tensor] = {0: root_hidden}
-        top_k = max(self.tree.ranks()) + 1
-        for level in self._levels(only, device):
+        for level in self._levels(only):
             # 1. this level's nodes get their tokens from their parents' top-ranked tokens
             for parent, nodes, ranks in level.draws:
-                tokens[:, nodes] = self._top_tokens(node_logits[parent], top_k)[:, ranks]
+                tokens[:, nodes] = self._top_tokens(node_logits[parent], self.top_k)[:, ranks]
             if not level.rows:
                 break
             # 2. the head over every internal node so far (ancestors visible), for the next level
@@ -212,11 +212,11 @@ class EagleProposer(HeadProposer):
 class _Level(NamedTuple):
     """One expansion level of EagleProposer.propose_tree, fixed by the tree's shape."""
 
-    draws: list[tuple[int, torch.Tensor, torch.Tensor]]  # (a parent, its children here, their ranks)
+    draws: list[tuple[int, torch.Tensor, torch.Tensor]]  # (a parent, its children here [c] i64, their ranks [c] i64)
     rows: list[int]  # the internal nodes of depth <= level the head runs on next (none: the last level)
-    row_index: torch.Tensor  # rows, as `tokens` columns
+    row_index: torch.Tensor  # [q] i64: rows, as `tokens` columns
     row_parents: list[int]  # each row's parent: whose head hidden the row reads
-    mask: torch.Tensor | None  # [q, q] the rows' ancestor mask
+    mask: torch.Tensor | None  # [q, q] bool: the rows' ancestor mask
     depth_offsets: list[int]  # each row's depth - 1: its position past the root's
 
 

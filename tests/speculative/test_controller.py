@@ -69,7 +69,7 @@ def test_zero_acceptance_picks_no_drafts_even_on_a_flat_curve():
     assert ctl.choose([Candidate("a", chain_options(4))]) == [PLAIN]
 
 
-def test_backs_off_a_request_whose_acceptance_drops_within_a_few_steps():
+def test_backs_off_a_request_whose_drafts_stop_landing():
     ctl = controller(Scripted(base=10.0, per_row=1.0, drafter=0.05))
     train(ctl, "a", 4)
     train(ctl, "b", 4)
