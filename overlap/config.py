@@ -87,6 +87,9 @@ class SchedulerConfig:
 # The drafters a lookup branch rides with (spec.lookup_branch): the model drafters
 # (overlap/speculative/lookup_branch.py); n-gram is itself a lookup.
 BRANCHED_METHODS = ("draft", "mtp", "eagle")
+# The drafters that are the MTP head (a chain) or its EAGLE trees: a head directory, a draft
+# vocabulary, rows that read the target's hidden states.
+HEAD_METHODS = ("mtp", "eagle")
 
 
 @dataclass(frozen=True)

@@ -379,7 +379,6 @@ class HostStaging:
             return [dev[off: off + a.nbytes].view(dtype).view(a.shape)
                     for a, off, (_, dtype) in zip(host, offsets, arrays)]
 
-
     def _host_tensor(self, values: object, dtype: torch.dtype) -> torch.Tensor:
         if self.device.type == "cpu" and dtype in _NP_DTYPES:
             # Through numpy: torch.tensor(list) hands the GIL to the stream's worker thread and

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import msgspec
 
-from overlap.config import (BRANCHED_METHODS, EngineConfig, SpecConfig, check_device, default_draft_dir,
+from overlap.config import (BRANCHED_METHODS, HEAD_METHODS, EngineConfig, SpecConfig, check_device, default_draft_dir,
                             default_head_dir, load_config)
 from overlap.models.loading import ModelNotFoundError, default_gguf_path
 from runtime.messages import RequestError, SamplingParams
@@ -337,7 +337,7 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
         raise ValueError("--num-spec-tokens does not apply to --spec eagle: a tree step verifies --tree-tokens "
                          "nodes (shape the tree with --tree-depth, --tree-topk, --tree-tokens); in bench, give "
                          "a chain mode its own K instead (mtp:3)")
-    if config.spec.draft_vocab and config.spec.method not in ("mtp", "eagle"):
+    if config.spec.draft_vocab and config.spec.method not in HEAD_METHODS:
         if isinstance(args.draft_vocab, int):
             raise ValueError(f"--draft-vocab {config.spec.draft_vocab}: give a positive N, with --spec mtp or eagle "
                              "(the draft model carries its own trimmed vocabulary)")
@@ -361,7 +361,7 @@ def engine_config(args: argparse.Namespace, spec_method: str | None = None) -> E
     if config.spec.method == "draft":
         config = dataclasses.replace(config, spec=dataclasses.replace(
             config.spec, draft_model=_draft_dir(config.model, config.spec.draft_model)))
-    if config.spec.method in ("mtp", "eagle"):
+    if config.spec.method in HEAD_METHODS:
         config = dataclasses.replace(config, spec=dataclasses.replace(
             config.spec, head=_head_dir(config.model, config.spec.head)))
     return config
@@ -372,7 +372,7 @@ def _head_vocab(value, method: str | None):
     mode with its first size and leaves the other modes at their default (method None: the
     config's own method, e.g. --step-costs: the first size)."""
     if isinstance(value, list):
-        return value[0] if method in ("mtp", "eagle", None) else None
+        return value[0] if method is None or method in HEAD_METHODS else None
     return value
 
 
@@ -674,7 +674,7 @@ def _bench_variants(args: argparse.Namespace) -> list:
     else:
         modes = list(dict.fromkeys(args.spec or [engine_config(args).spec.method]))
     modes.sort(key=lambda m: m != "none")
-    if args.draft_vocab and not any(m.partition(":")[0] in ("mtp", "eagle") for m in modes):
+    if args.draft_vocab and not any(m.partition(":")[0] in HEAD_METHODS for m in modes):
         raise ValueError(f"--draft-vocab {' '.join(map(str, args.draft_vocab))}: the head's draft vocabulary "
                          f"applies to --spec mtp or eagle, and none is benchmarked ({' '.join(modes)})")
     variants = []
@@ -692,7 +692,7 @@ def _bench_variants(args: argparse.Namespace) -> list:
             weights = list(dict.fromkeys(args.drafter_weights or [config.spec.drafter_weights]))
             lookups = list(dict.fromkeys(args.lookup_branch or [config.spec.lookup_branch]))
             drafts = method in BRANCHED_METHODS  # the model drafters: weights and a lookup branch
-            heads = method in ("mtp", "eagle")  # a draft vocabulary
+            heads = method in HEAD_METHODS  # a draft vocabulary
             vocabs = list(dict.fromkeys(args.draft_vocab or [config.spec.draft_vocab]))
             for ctl, wts, lookup, vocab in itertools.product(
                     controllers if method != "none" else [config.spec.controller],

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from overlap.config import EngineConfig, SpecConfig
+from overlap.config import HEAD_METHODS, EngineConfig, SpecConfig
 from runtime.pages import PageAllocator
 
 ROOT = 0  # the parent node id of a sequence's first page
@@ -38,7 +38,7 @@ def drafter_lookahead(spec: SpecConfig) -> int:
     from the target's hidden state at j AND token j+1, so with those drafters a page's last
     row belongs to the token after it, and two prompts that diverge right at a page boundary
     must not share the page."""
-    return 1 if spec.method in ("mtp", "eagle") else 0
+    return 1 if spec.method in HEAD_METHODS else 0
 
 
 def build_prefix_cache(config: EngineConfig, allocator: PageAllocator) -> "PrefixCache | None":

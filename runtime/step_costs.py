@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from overlap.attention import SeqAttention, make_backend
-from overlap.config import EngineConfig, default_draft_dir, default_head_dir
+from overlap.config import HEAD_METHODS, EngineConfig, default_draft_dir, default_head_dir
 from overlap.models.llama import LlamaModel
 
 ROWS = (1, 2, 4, 5, 8, 9, 16)
@@ -272,7 +272,7 @@ def calibrate_drafter(model: LlamaModel, config: EngineConfig, context: int = 12
     spec = config.spec
     backend = make_backend(config.attention_backend, config.device)
     pages = _pool_pages(context, config.cache.page_size)
-    if spec.method in ("mtp", "eagle") and spec.head:
+    if spec.method in HEAD_METHODS and spec.head:
         step, kv, _ = _head_step(model, config, spec.head, backend, pages)
     elif spec.method == "draft" and spec.draft_model:
         step, kv = _draft_step(model, config, spec.draft_model, backend, pages)
@@ -306,9 +306,9 @@ def _drafter_key(spec) -> list:
     """What the drafter's calibrated step depends on beside the target's. A head's draft
     vocabulary as it will be used: the spec's, else the head's own config.json's (a head whose
     default size changed must not keep the step measured at the old one)."""
-    weights = spec.draft_model if spec.method == "draft" else spec.head if spec.method in ("mtp", "eagle") else None
+    weights = spec.draft_model if spec.method == "draft" else spec.head if spec.method in HEAD_METHODS else None
     vocab = spec.draft_vocab
-    if vocab is None and spec.method in ("mtp", "eagle"):
+    if vocab is None and spec.method in HEAD_METHODS:
         from overlap.models.heads import configured_draft_vocab
 
         try:

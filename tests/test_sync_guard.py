@@ -8,8 +8,8 @@ runs under a TorchFunctionMode (on the main thread and on the stream worker thre
 records torch.tensor / as_tensor / asarray, indexing with Python lists, and
 .item() / .tolist() / .cpu() / .numpy() / bool() / int() / float() on tensors, unless
 called inside `overlap.device.host_io()`. (torch.from_numpy does not reach a
-TorchFunctionMode, so it is listed but never seen; the code builds only host arrays with
-it: the CPU staging's and tree masks.) The torch-only backend is used: its planning
+TorchFunctionMode, so it is listed but never seen; only the CPU staging uses it, for host
+arrays.) The torch-only backend is used: its planning
 stages through the same point as the executor's (FlashInfer's plan reads pinned host
 arrays by design and is checked by its own tests)."""
 

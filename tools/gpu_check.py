@@ -534,13 +534,13 @@ def _engine_run(model, backend: str, spec: str = "none", k: int = 3, prompts=Non
     """Greedy tokens of `prompts` through the in-process engine → (tokens, stats, executor).
     lookup: a lookup branch of that many tokens beside the drafter's drafts (1-token matches,
     so that the random model's repetitions branch on many steps)."""
-    from overlap.config import CacheConfig, EngineConfig, SpecConfig, default_draft_dir, default_head_dir
+    from overlap.config import HEAD_METHODS, CacheConfig, EngineConfig, SpecConfig, default_draft_dir, default_head_dir
     from runtime.engine import Engine
     from runtime.messages import SamplingParams
 
     spec_cfg = SpecConfig(method=spec, num_spec_tokens=None if spec == "eagle" else k,
                           draft_model=str(default_draft_dir()) if spec == "draft" else None,
-                          head=str(default_head_dir()) if spec in ("mtp", "eagle") else None,
+                          head=str(default_head_dir()) if spec in HEAD_METHODS else None,
                           lookup_branch=lookup, lookup_min_match=1)
     config = EngineConfig(device=DEVICE, attention_backend=backend, spec=spec_cfg,
                           cache=CacheConfig(page_size=16, num_pages=1024), **kw)

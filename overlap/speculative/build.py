@@ -10,7 +10,7 @@ import torch
 
 from overlap import kernels
 from overlap.attention import make_backend
-from overlap.config import BRANCHED_METHODS, EngineConfig
+from overlap.config import BRANCHED_METHODS, HEAD_METHODS, EngineConfig
 from overlap.models.heads import load_head
 from overlap.models.llama import LlamaModel
 from overlap.speculative.base import Proposer
@@ -63,7 +63,7 @@ def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | 
         draft = load_draft(spec.draft_model, model, drafter_matmul(config, model))
         return _with_branch(spec, DraftTargetProposer(draft, make_backend(config.attention_backend, config.device),
                                                       config.cache.num_pages, config.cache.page_size, scratch_page))
-    if spec.method in ("mtp", "eagle"):
+    if spec.method in HEAD_METHODS:
         return _with_branch(spec, _head_proposer(config, model, scratch_page))
     raise ValueError(f"unknown spec method {spec.method!r} (none | draft | ngram | mtp | eagle)")
 
