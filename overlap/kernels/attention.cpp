@@ -8,6 +8,13 @@
 // No context gather, no mask tensor, no f64: keys and values are read in place from the
 // paged pool through the page table.
 //
+// On AMX machines (variant 3) with bf16 caches and head_dim a multiple of 32, a score is
+// instead the tile instruction's dot product (tdpbf16ps, see tile_scores): 16 queries x 16
+// keys per instruction, each score summed on its own whatever sits beside it in the tile, so
+// the row invariance above holds. How the instruction sums inside is its own (no sequence of
+// f32 operations reproduces it), so on this variant the reference loops also take each
+// score from it, one query and one key at a time.
+//
 // Two implementations of that one arithmetic, giving the same bits:
 // - attend_reference: plain loops, any ISA, any head_dim (the generic variant, f16 on AVX2).
 // - attend_vector (variants 0-3, head_dim 16-256, a power of two): the same operations in the
@@ -23,12 +30,14 @@
 #include "pool.h"
 #include "fixed_exp.h"
 #include "bf16_vec.h"
+#include "amx.h"
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <cstring>
 #include <vector>
 #if OVERLAP_VARIANT >= 0
 #include <immintrin.h>
@@ -112,6 +121,7 @@ inline T* output(const Inputs<T>& in, const Block& blk, int64_t n) {
 // Per-thread buffers, reused across tasks.
 struct Scratch {
   std::vector<float> qf, kf, vf, scores, acc, max_s, total;
+  std::vector<uint16_t> qb;  // tile_scores: the block's queries as bf16 bits, 16-row tiles
 };
 
 template <typename T>
@@ -131,6 +141,48 @@ inline float dot(const float* q, const float* k, int64_t dim) {
   return part[0];
 }
 
+#if OVERLAP_VARIANT == 3
+// Whether this call's scores come from AMX tiles: bf16, head_dim in whole 32-element tile rows.
+template <typename T>
+constexpr bool tile_scored(int64_t dim) { return std::is_same_v<T, c10::BFloat16> && dim % 32 == 0; }
+
+// The definition of a tile score: q · k by tdpbf16ps over dim / 32 chunks of 32 elements,
+// summed from zero, in a 1 x 1 tile (tmm0: the sum; tmm1: the query's chunk; tmm2: the key's
+// chunk as 16 rows of one bf16 pair each, read straight from the key).
+inline float tile_dot(const c10::BFloat16* q, const c10::BFloat16* k, int64_t dim) {
+  overlap::TileConfig cfg;
+  cfg.rows[0] = 1, cfg.colsb[0] = 4;
+  cfg.rows[1] = 1, cfg.colsb[1] = 64;
+  cfg.rows[2] = 16, cfg.colsb[2] = 4;
+  _tile_loadconfig(&cfg);
+  _tile_zero(0);
+  for (int64_t c = 0; c < dim / 32; ++c) {
+    _tile_loadd(1, q + 32 * c, 64);
+    _tile_loadd(2, k + 32 * c, 4);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  float sum;
+  _tile_stored(0, &sum, 4);
+  _tile_release();
+  return sum;
+}
+#else
+template <typename T>
+constexpr bool tile_scored(int64_t) { return false; }
+#endif
+
+// Query n's score against key j before the scale: the tile's dot product where this variant
+// scores on tiles, else dot() of the widened rows qf and kf.
+template <typename T>
+inline float reference_score(const Inputs<T>& in, const Block& blk, int64_t n, int64_t j, const float* qf, const float* kf) {
+#if OVERLAP_VARIANT == 3
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    if (tile_scored<T>(in.dim)) return tile_dot(query(in, blk, n), key(in, blk, j), in.dim);
+#endif
+  (void)blk, (void)n, (void)j;
+  return dot(qf, kf, in.dim);
+}
+
 // The definition of the arithmetic, in plain loops (the AVX2 and generic variants, and any
 // head_dim): scores key by key, softmax over the visible keys, values in key order.
 template <typename T>
@@ -146,8 +198,10 @@ void attend_reference(const Inputs<T>& in, const Block& blk, Scratch& s) {
     to_float(key(in, blk, j), s.kf.data(), dim);
     for (int64_t ii = 0; ii < blk.rows; ++ii) {
       if (!blk.visible(ii, j)) continue;
-      for (int64_t g = 0; g < group; ++g)
-        s.scores[(ii * group + g) * span + j] = dot(s.qf.data() + (ii * group + g) * dim, s.kf.data(), dim) * in.scale;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t n = ii * group + g;
+        s.scores[n * span + j] = reference_score(in, blk, n, j, s.qf.data() + n * dim, s.kf.data()) * in.scale;
+      }
     }
   }
   // 2. per row and head: the max over its visible keys, then exp and their sum in key order.
@@ -426,17 +480,89 @@ void weigh_values_tail(const Inputs<T>& in, const Block& blk, const float* score
   weigh_values<T, C, NT>(in, blk, scores, stride, q0);
 }
 
+#if OVERLAP_VARIANT == 3
+// 16 x 16 transpose of 32-bit elements: r[i] lane j <- r[j] lane i.
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // 32-bit pairs of rows i, i+1
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // 64-bit pairs: 4 x 4 blocks inside each 128-bit lane
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)  // then the 128-bit lanes, in two rounds
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
+// Step 1 of attend_vector on tiles: the block's nq queries (bf16, in 16-row tiles, zero rows
+// past nq) against 16 keys at a time, each key read once for the block and its bf16 pairs
+// transposed into the B tile's layout (VNNI: row r holds every key's pair r). tmm0: 16 x 16
+// sums (queries x keys), tmm1: 16 queries x 32 dims, tmm2: 32 dims x 16 keys. A sum is the
+// tile_dot of its query and key wherever they sit in the tiles; then times scale.
+template <int C>
+void tile_scores(const Inputs<c10::BFloat16>& in, const Block& blk, Scratch& s, int64_t nq, int64_t stride) {
+  constexpr int64_t dim = C * 16, chunks = dim / 32;
+  const int64_t tiles = (nq + 15) / 16, span = blk.span;
+  s.qb.assign(tiles * 16 * dim, 0);
+  for (int64_t n = 0; n < nq; ++n) std::memcpy(s.qb.data() + n * dim, query(in, blk, n), dim * 2);
+  alignas(64) uint32_t pairs[chunks][16][16];  // per 32-dim chunk: [pair][key]
+  overlap::TileConfig cfg;
+  for (int t = 0; t < 3; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+  for (int64_t j0 = 0; j0 < span; j0 += 16) {
+    const int64_t keys = std::min<int64_t>(16, span - j0);
+    for (int64_t k = 0; k < keys; ++k) {
+      if (j0 + 16 + k < span) prefetch_row<_MM_HINT_T0>(key(in, blk, j0 + 16 + k), dim);  // the next block's keys
+      prefetch_row<_MM_HINT_T1>(value(in, blk, j0 + k), dim);  // this block's values, for step 3
+    }
+    for (int64_t c = 0; c < chunks; ++c) {
+      __m512i r[16];  // past span: zeros, whose scores softmax_row discards
+      for (int64_t k = 0; k < 16; ++k)
+        r[k] = k < keys ? _mm512_loadu_si512(key(in, blk, j0 + k) + 32 * c) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_store_si512(pairs[c][i], r[i]);
+    }
+    for (int64_t t = 0; t < tiles; ++t) {
+      _tile_zero(0);
+      for (int64_t c = 0; c < chunks; ++c) {
+        _tile_loadd(1, s.qb.data() + t * 16 * dim + 32 * c, dim * 2);
+        _tile_loadd(2, pairs[c], 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, s.scores.data() + t * 16 * stride + j0, stride * 4);
+    }
+  }
+  _tile_release();
+  const V16 scale = vset1(in.scale);
+  for (int64_t n = 0; n < nq; ++n)
+    for (int64_t j = 0; j < stride; j += 16) {
+      float* sc = s.scores.data() + n * stride + j;
+      vstore(sc, vmul(load16(sc), scale));
+    }
+}
+#endif
+
+// Step 1 on 16-lane vectors: each query against 16 keys at a time (score16), each key widened
+// once for the block (past span: zeros, whose scores softmax_row discards).
 template <typename T, int C>
-void attend_vector(const Inputs<T>& in, const Block& blk, Scratch& s) {
+void vector_scores(const Inputs<T>& in, const Block& blk, Scratch& s, int64_t nq, int64_t stride) {
   constexpr int64_t dim = C * 16;
-  const int64_t nq = blk.rows * in.group(), span = blk.span, stride = (span + 15) / 16 * 16;
+  const int64_t span = blk.span;
   s.qf.resize(nq * dim);
   s.kf.resize(16 * dim);
-  s.scores.resize(nq * stride);
   for (int64_t n = 0; n < nq; ++n)
     for (int c = 0; c < C; ++c) vstore(s.qf.data() + n * dim + 16 * c, load16(query(in, blk, n) + 16 * c));
-  // 1. scores, 16 keys at a time: each key widened once for the block (past span: zeros,
-  //    whose scores softmax_row discards).
   for (int64_t j0 = 0; j0 < span; j0 += 16) {
     const int64_t keys = std::min<int64_t>(16, span - j0);
     for (int64_t k = 0; k < keys; ++k) {
@@ -447,6 +573,19 @@ void attend_vector(const Inputs<T>& in, const Block& blk, Scratch& s) {
     std::fill(s.kf.begin() + keys * dim, s.kf.end(), 0.f);
     for (int64_t n = 0; n < nq; ++n) score16<C>(s.qf.data() + n * dim, s.kf.data(), in.scale, s.scores.data() + n * stride + j0);
   }
+}
+
+template <typename T, int C>
+void attend_vector(const Inputs<T>& in, const Block& blk, Scratch& s) {
+  const int64_t nq = blk.rows * in.group(), stride = (blk.span + 15) / 16 * 16;
+  // 1. scores [nq][stride] (rows up to a whole tile of 16, for tile_scores' stores).
+  s.scores.resize((nq + 15) / 16 * 16 * stride);
+#if OVERLAP_VARIANT == 3
+  if constexpr (tile_scored<T>(C * 16))
+    tile_scores<C>(in, blk, s, nq, stride);
+  else
+#endif
+    vector_scores<T, C>(in, blk, s, nq, stride);
   // 2. softmax weights per query.
   for (int64_t n = 0; n < nq; ++n) softmax_row(blk, n / in.group(), s.scores.data() + n * stride, stride);
   // 3. values, a register tile of queries at a time.
@@ -530,6 +669,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && q.size(2) == k_cache.size(2),
               "paged_attention: q [T, H, D] and caches [slots, Hkv, D]");
   TORCH_CHECK(q.size(2) <= MAX_DIM, "paged_attention: head_dim > ", MAX_DIM);
+#if OVERLAP_VARIANT == 3
+  TORCH_CHECK(!(q.scalar_type() == torch::kBFloat16 && q.size(2) % 32 == 0) || overlap::amx_permitted(),
+              "overlap paged_attention: the kernel asked Linux for AMX tile state and was refused");
+#endif
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
               "paged_attention: q and caches must share a dtype");
   for (auto* t : {&q_start, &q_len, &kv_len, &page_table})

@@ -36,10 +36,7 @@
 #if OVERLAP_VARIANT >= 0
 #include <immintrin.h>
 #endif
-#if OVERLAP_VARIANT == 3
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx.h"
 
 namespace {
 
@@ -148,12 +145,6 @@ inline void tile(const X* x, int64_t xk, const W* block, int64_t kp, const float
 #endif
 
 #if OVERLAP_VARIANT == 3
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {0};
-  uint16_t colsb[16] = {0};
-  uint8_t rows[16] = {0};
-};
-
 // One tile row (16 f32 sums) + bias into y, vectorised: the scalar per-element epilogue cost
 // as much as the tile products at K = 576. Same arithmetic as the scalar one: one f32 add of
 // the bias, then c10's bf16 rounding (round to nearest even, NaN -> 0x7FC0) bit for bit.
@@ -172,7 +163,7 @@ inline void store_row(bf16* y, const float* c, const float* bias, __mmask16 lane
 // tmm0-3: C (rows x 16 f32) for the block's 4 column groups; tmm4: A (rows x 32 bf16 of x);
 // tmm5: B (16 k pairs x 16 outputs, VNNI pairs).
 inline void configure(int rows) {
-  TileConfig cfg;
+  overlap::TileConfig cfg;
   for (int t = 0; t < 4; ++t) { cfg.rows[t] = rows; cfg.colsb[t] = 64; }
   cfg.rows[4] = rows; cfg.colsb[4] = 64;
   cfg.rows[5] = 16; cfg.colsb[5] = 64;
@@ -217,12 +208,6 @@ void run(const bf16* x, int64_t xk, const bf16* packed, int64_t kp, const float*
     if (configured) _tile_release();
   });
 }
-
-// Linux hands out AMX tile state only on request, once per process.
-const bool amx_permitted = [] {
-  constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}();
 #else
 // A per-thread f32 buffer of at least `size` floats (slot 0: x rows, 1: a widened block),
 // grown when needed and kept for the thread's lifetime.
@@ -329,7 +314,7 @@ void run(const bf16* x, int64_t xk, const bf16* packed, int64_t kp, const float*
 // [ceil(N/NB)][padded K / KSTEP][NB][KSTEP], zero-padded (padding adds exact zeros).
 torch::Tensor pack_weight(torch::Tensor weight) {
 #if OVERLAP_VARIANT == 3
-  TORCH_CHECK(amx_permitted, "overlap linear_bf16: the kernel asked Linux for AMX tile state and was refused");
+  TORCH_CHECK(overlap::amx_permitted(), "overlap linear_bf16: the kernel asked Linux for AMX tile state and was refused");
 #endif
   TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.dim() == 2, "pack_weight: bf16 [N, K]");
   const int64_t n = weight.size(0), k = weight.size(1), kp = padded_k(k);

@@ -18,7 +18,7 @@ H, HKV, D = 6, 2, 16
 
 def dense_causal(q, k, v, prefix):
     """q [Q, H, D], k/v [L, Hkv, D]; query i sits at position prefix + i."""
-    g = H // HKV
+    g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     mask = torch.arange(k.shape[0])[None, :] <= (prefix + torch.arange(q.shape[0]))[:, None]
     out = F.scaled_dot_product_attention(q.transpose(0, 1).double(), k.transpose(0, 1).double(),
@@ -29,29 +29,31 @@ def dense_causal(q, k, v, prefix):
 BACKENDS = {"reference": ReferenceBackend, "cpu": CpuBackend}
 
 
-def run_batch(backend, page_size, seqs, seed):
+def run_batch(backend, page_size, seqs, seed, heads=(H, HKV, D), dtype=torch.float32, tol=1e-5):
     """seqs: list of (cached, new). Fills random caches, runs one step, checks each sequence."""
+    h, hkv, d = heads
     rng = random.Random(seed)
     torch.manual_seed(seed)
     total_pages = sum(-(-(c + n) // page_size) for c, n in seqs) + 3
-    pool = KVPool(1, total_pages, page_size, HKV, D, torch.float32)
+    pool = KVPool(1, total_pages, page_size, hkv, d, dtype)
     free = list(range(total_pages))
     rng.shuffle(free)  # pages out of order, like a fragmented pool
     attn, qs, full_k, full_v = [], [], [], []
     for cached, new in seqs:
         table = [free.pop() for _ in range(-(-(cached + new) // page_size))]
-        k, v = torch.randn(cached + new, HKV, D), torch.randn(cached + new, HKV, D)
+        k, v = torch.randn(cached + new, hkv, d).to(dtype), torch.randn(cached + new, hkv, d).to(dtype)
         # The cached prefix is already in the pool; the new tokens are written by the step.
         pool.write(0, torch.tensor(slot_mapping(table, 0, cached + new, page_size)), k, v)
         attn.append(SeqAttention(new, cached + new, table))
-        qs.append(torch.randn(new, H, D))
+        qs.append(torch.randn(new, h, d).to(dtype))
         full_k.append(k)
         full_v.append(v)
     meta = backend.plan(attn, page_size)
     out = backend.run(0, torch.cat(qs), pool, meta)
     row = 0
     for (cached, new), q, k, v in zip(seqs, qs, full_k, full_v):
-        torch.testing.assert_close(out[row: row + new], dense_causal(q, k, v, cached), rtol=1e-5, atol=1e-5)
+        want = dense_causal(q.float(), k.float(), v.float(), cached)
+        torch.testing.assert_close(out[row: row + new].float(), want, rtol=tol, atol=tol)
         row += new
 
 
@@ -68,6 +70,15 @@ def test_ragged_batches_match_dense(backend, page_size, seed):
                "decode": 1, "verify": rng.randint(2, 6)}[kind]
         seqs.append((cached, new))
     run_batch(BACKENDS[backend](), page_size, seqs, seed)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cpu_kernel_bf16_head_dim_64_matches_dense(seed):
+    """bf16 caches with SmolLM2's heads (9 x 64, 3 kv heads): on AMX machines the scores come
+    from tiles (attention.cpp's tile_scores), elsewhere from the vector path; either way the
+    output is dense attention to within bf16's rounding of it."""
+    seqs = [(0, 45), (70, 1), (33, 14), (100, 4), (5, 17)]
+    run_batch(CpuBackend(), 16, seqs, seed, heads=(9, 3, 64), dtype=torch.bfloat16, tol=1e-2)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -92,18 +103,21 @@ def test_tree_mask_equals_each_path_alone(backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cpu_kernel_rows_do_not_depend_on_the_batch(dtype):
+@pytest.mark.parametrize("heads", [(H, HKV, D), (9, 3, 64)])
+def test_cpu_kernel_rows_do_not_depend_on_the_batch(dtype, heads):
     """A decode row, a verify pass, a tree and a prefill chunk of one sequence give the same
-    bits alone and batched with other sequences (and under other row splits)."""
+    bits alone and batched with other sequences (and under other row splits). Head dim 64 in
+    bf16 takes the AMX tile scores where the machine has them."""
+    h, hkv, d = heads
     torch.manual_seed(0)
     page_size = 4
-    pool = KVPool(1, 40, page_size, HKV, D, dtype)
+    pool = KVPool(1, 40, page_size, hkv, d, dtype)
     pool.k[0].normal_()
     pool.v[0].normal_()
     tree = tree_mask_from_parents([-1, 0, 0, 1, 1, 2])
     seqs = [SeqAttention(1, 21, list(range(0, 6))), SeqAttention(4, 13, list(range(6, 10))),
             SeqAttention(6, 15, list(range(10, 14)), tree), SeqAttention(37, 37, list(range(14, 24)))]
-    qs = [torch.randn(s.q_len, H, D).to(dtype) for s in seqs]
+    qs = [torch.randn(s.q_len, h, d).to(dtype) for s in seqs]
     backend = CpuBackend()
     together = backend.run(0, torch.cat(qs), pool, backend.plan(seqs, page_size))
     row = 0
@@ -145,7 +159,9 @@ def _kernel_outputs(path: str) -> None:
 
 def test_vector_path_equals_reference_loops():
     """attention.cpp's vector path (AVX2 and AVX-512 variants) computes the reference loops'
-    arithmetic in another arrangement: the same bits, on whatever this machine runs."""
+    arithmetic in another arrangement: the same bits, on whatever this machine runs. On AMX
+    machines the bf16 head_dim-64 case compares scores from 16 x 16 tiles with scores from
+    1 x 1 tiles: a score does not depend on its place in a tile."""
     import math
 
     from overlap.kernels import paged_attention
@@ -160,7 +176,8 @@ def test_vector_path_equals_reference_loops():
 @pytest.mark.slow
 def test_vector_paths_agree_across_variants(tmp_path):
     """The AVX-512 variants' vector path and the AVX2 variant's (16 lanes as two halves, its
-    own lane-sum tree) give the same bits, each in a process of its own."""
+    own lane-sum tree) give the same bits, each in a process of its own. (An AMX machine runs
+    the wide side capped to AVX512_BF16: variant 3 scores bf16 on tiles, its own arithmetic.)"""
     import os
     import subprocess
     import sys
@@ -170,7 +187,8 @@ def test_vector_paths_agree_across_variants(tmp_path):
         pytest.skip("needs a CPU (and ISA cap) that runs the AVX-512 kernels and can run AVX2 ones")
     code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); " \
            "import test_cpu_backends as t; t._kernel_outputs(sys.argv[1])"
-    for name, cap in (("avx512", os.environ.get("ONEDNN_MAX_CPU_ISA")), ("avx2", "AVX2")):
+    wide = "AVX512_CORE_BF16" if variant_name() == "amx" else os.environ.get("ONEDNN_MAX_CPU_ISA")
+    for name, cap in (("avx512", wide), ("avx2", "AVX2")):
         env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
         if cap:  # the caller's cap (or none) for the AVX-512 path, AVX2 for the other
             env["ONEDNN_MAX_CPU_ISA"] = cap
