@@ -63,6 +63,9 @@ def _tree_rows(seqs: list[SeqAttention], num_rows: int) -> torch.Tensor | None:
     sequence carries a tree mask (the others get their causal rows); None when all are causal."""
     if all(s.tree_mask is None for s in seqs):
         return None
+    only = seqs[0].tree_mask
+    if len(seqs) == 1 and only.dtype == torch.bool and only.is_contiguous():
+        return only  # one sequence: its mask is the table (no zeros tensor and slice write: 19 -> 16 us a plan)
     width = max(s.q_len for s in seqs)
     tree = torch.zeros(num_rows, width, dtype=torch.bool)
     row = 0
