@@ -8,7 +8,7 @@
 // No context gather, no mask tensor, no f64: keys and values are read in place from the
 // paged pool through the page table.
 //
-// On AMX machines (variant 3) with bf16 caches and head_dim a multiple of 32, a score is
+// On AMX machines (variant 3) with bf16 caches and head_dim 32-256 a power of two, a score is
 // instead the tile instruction's dot product (tdpbf16ps, see tile_scores): 16 queries x 16
 // keys per instruction, each score summed on its own whatever sits beside it in the tile, so
 // the row invariance above holds. How the instruction sums inside is its own (no sequence of
@@ -16,10 +16,12 @@
 // score from it, one query and one key at a time.
 //
 // Two implementations of that one arithmetic, giving the same bits:
-// - attend_reference: plain loops, any ISA, any head_dim (the generic variant, f16 on AVX2).
+// - attend_reference: plain loops, any ISA, any head_dim (the generic variant, f16 on AVX2);
+//   a tile score from tile_dot where the call scores on tiles.
 // - attend_vector (variants 0-3, head_dim 16-256, a power of two): the same operations in the
 //   same order per score and per output element, on 16-lane vectors (one zmm, or two ymm on
-//   AVX2), arranged for the vector unit: 16 keys' scores
+//   AVX2), arranged for the vector unit: 16 keys' scores (tile_scores instead where the call
+//   scores on tiles)
 //   are lane-summed together (reduce16: a transpose-and-add tree doing each key's pairwise
 //   lane sum, instead of 16 separate horizontal sums), the softmax runs on whole rows, and
 //   values are accumulated for a tile of query rows from registers. Scores of keys a row
@@ -142,9 +144,13 @@ inline float dot(const float* q, const float* k, int64_t dim) {
 }
 
 #if OVERLAP_VARIANT == 3
-// Whether this call's scores come from AMX tiles: bf16, head_dim in whole 32-element tile rows.
+// Whether this call's scores come from AMX tiles: bf16 and a head_dim with a vector path (32-256,
+// a power of two: whole 32-element tile rows). Other head_dims run the reference loops, which
+// keep dot(): a tile configured per score would make them far slower.
 template <typename T>
-constexpr bool tile_scored(int64_t dim) { return std::is_same_v<T, c10::BFloat16> && dim % 32 == 0; }
+constexpr bool tile_scored(int64_t dim) {
+  return std::is_same_v<T, c10::BFloat16> && (dim == 32 || dim == 64 || dim == 128 || dim == 256);
+}
 
 // The definition of a tile score: q · k by tdpbf16ps over dim / 32 chunks of 32 elements,
 // summed from zero, in a 1 x 1 tile (tmm0: the sum; tmm1: the query's chunk; tmm2: the key's
@@ -184,7 +190,8 @@ inline float reference_score(const Inputs<T>& in, const Block& blk, int64_t n, i
 }
 
 // The definition of the arithmetic, in plain loops (the AVX2 and generic variants, and any
-// head_dim): scores key by key, softmax over the visible keys, values in key order.
+// head_dim): scores key by key (tile_dot's where the call scores on tiles), softmax over the
+// visible keys, values in key order.
 template <typename T>
 void attend_reference(const Inputs<T>& in, const Block& blk, Scratch& s) {
   const int64_t group = in.group(), dim = in.dim, nq = blk.rows * group, span = blk.span;
@@ -670,7 +677,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
               "paged_attention: q [T, H, D] and caches [slots, Hkv, D]");
   TORCH_CHECK(q.size(2) <= MAX_DIM, "paged_attention: head_dim > ", MAX_DIM);
 #if OVERLAP_VARIANT == 3
-  TORCH_CHECK(!(q.scalar_type() == torch::kBFloat16 && q.size(2) % 32 == 0) || overlap::amx_permitted(),
+  TORCH_CHECK(!tile_scored<c10::BFloat16>(q.size(2)) || q.scalar_type() != torch::kBFloat16 || overlap::amx_permitted(),
               "overlap paged_attention: the kernel asked Linux for AMX tile state and was refused");
 #endif
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),

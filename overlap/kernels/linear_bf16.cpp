@@ -332,6 +332,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::opti
                      bool out_float) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16 && x.dim() == 2,
               "overlap linear_bf16: bf16 x [M, K] and a packed weight");
+#if OVERLAP_VARIANT == 3
+  TORCH_CHECK(overlap::amx_permitted(), "overlap linear_bf16: the kernel asked Linux for AMX tile state and was refused");
+#endif
   const int64_t m = x.size(0), k = x.size(1), kp = padded_k(k);
   TORCH_CHECK(packed.numel() == (n + NB - 1) / NB * NB * kp, "overlap linear_bf16: packed weight does not fit x");
   if (kp != k) x = torch::constant_pad_nd(x, {0, kp - k});  // a zero pair partner adds exactly 0
