@@ -20,11 +20,10 @@
 //   a tile score from tile_dot where the call scores on tiles.
 // - attend_vector (variants 0-3, head_dim 16-256, a power of two): the same operations in the
 //   same order per score and per output element, on 16-lane vectors (one zmm, or two ymm on
-//   AVX2), arranged for the vector unit: 16 keys' scores (tile_scores instead where the call
-//   scores on tiles)
-//   are lane-summed together (reduce16: a transpose-and-add tree doing each key's pairwise
-//   lane sum, instead of 16 separate horizontal sums), the softmax runs on whole rows, and
-//   values are accumulated for a tile of query rows from registers. Scores of keys a row
+//   AVX2), arranged for the vector unit: 16 keys' scores are lane-summed together (reduce16:
+//   a transpose-and-add tree doing each key's pairwise lane sum, instead of 16 separate
+//   horizontal sums; tile_scores where the call scores on tiles), the softmax runs on whole
+//   rows, and values are accumulated for a tile of query rows from registers. Scores of keys a row
 //   may not see are computed with the others and then given weight exactly 0: adding +0 to a
 //   sum that is never -0 leaves it unchanged, so no per-key visibility test in the hot loops.
 #include <torch/extension.h>
