@@ -33,6 +33,7 @@ def make_case(seqs: list[tuple[int, int]], tree: torch.Tensor | None = None, see
     pool = KVPool(1, sum(pages_of) + 1, PAGE, KV_HEADS, DIM, torch.bfloat16)
     pool.k[0].normal_()
     pool.v[0].normal_()
+    pool.sync_value_pairs()  # V was written directly: its pair copy (AMX value tiles) follows
     free = list(range(sum(pages_of) + 1))
     rng.shuffle(free)  # pages out of order, like a pool after some traffic
     attn = [SeqAttention(n, c + n, [free.pop() for _ in range(p)], tree)

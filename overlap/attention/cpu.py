@@ -56,7 +56,8 @@ class CpuBackend:
     def run(self, layer: int, q: torch.Tensor, kv: KVPool, meta: CpuMetadata) -> torch.Tensor:
         k, v = kv.flat(layer)
         return paged_attention(q, k, v, meta.q_start, meta.q_len, meta.kv_len, meta.page_table,
-                               meta.page_size, meta.tree, 1.0 / math.sqrt(q.shape[-1]))
+                               meta.page_size, meta.tree, 1.0 / math.sqrt(q.shape[-1]),
+                               v_pairs=kv.value_pairs(layer))
 
 
 def _tree_rows(seqs: list[SeqAttention], num_rows: int) -> torch.Tensor | None:

@@ -191,14 +191,32 @@ def linear_int8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     q_start: torch.Tensor, q_len: torch.Tensor, kv_len: torch.Tensor,
                     page_table: torch.Tensor, page_size: int, tree: torch.Tensor | None,
-                    scale: float, reference: bool = False) -> torch.Tensor:
+                    scale: float, reference: bool = False, v_pairs: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, H, D]; caches [slots, Hkv, D]; q_start/q_len/kv_len [B] i32; page_table [B, P] i32;
     tree [T, Qmax] bool or None (causal) → [T, H, D] in q's dtype (attention.cpp).
     reference: the plain loops that define the arithmetic instead of the vector path (the
-    same bits: tests compare the two)."""
+    same bits: tests compare the two). v_pairs: v_cache in key pairs (KVPool.value_pairs),
+    which the AMX variant's value tiles read instead of pairing the keys per call (the same
+    bits either way)."""
     empty = torch.empty(0, dtype=torch.bool)
     return _library().paged_attention(q, k_cache, v_cache, q_start, q_len, kv_len, page_table,
-                                      page_size, empty if tree is None else tree, scale, reference)
+                                      page_size, empty if tree is None else tree, scale, reference, v_pairs)
+
+
+def value_pairs_wanted(dtype: torch.dtype, head_dim: int, page_size: int, device) -> bool:
+    """Whether paged_attention sums values on AMX tiles for such a cache, and so a KVPool
+    keeps its values in key pairs too: bf16 on an AMX CPU (variant 3), head_dim 32-256 a
+    power of two, pages of a multiple of 16 tokens."""
+    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and head_dim in (32, 64, 128, 256)
+            and page_size % 16 == 0 and variant() == 3)
+
+
+def sync_value_pairs(v_all: torch.Tensor, pairs_all: torch.Tensor, slots: torch.Tensor, page_size: int,
+                     layer: int = -1) -> None:
+    """pairs_all [L, pages, Hkv, page_size / 2, D, 2] := v_all [L, pages, page_size, Hkv, D] in
+    key pairs at these slots [N] i64, in one layer (or all: -1)."""
+    layers, _, _, kv_heads, dim = v_all.shape
+    _library().sync_value_pairs(v_all.view(layers, -1, kv_heads, dim), pairs_all, slots, page_size, layer)
 
 
 def fusable(x: torch.Tensor) -> bool:

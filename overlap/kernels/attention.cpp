@@ -13,7 +13,10 @@
 // keys per instruction, each score summed on its own whatever sits beside it in the tile, so
 // the row invariance above holds. How the instruction sums inside is its own (no sequence of
 // f32 operations reproduces it), so on this variant the reference loops also take each
-// score from it, one query and one key at a time.
+// score from it, one query and one key at a time. Where pages hold a multiple of 16 tokens,
+// the values of a row's keys below value_split(its position) are summed on tiles as well
+// (tile_values: bf16 weights, 16 keys an instruction, read from the pool's pair copy of the
+// value cache), the rest in f32 as below; the split depends on the row's position alone.
 //
 // Two implementations of that one arithmetic, giving the same bits:
 // - attend_reference: plain loops, any ISA, any head_dim (the generic variant, f16 on AVX2);
@@ -58,6 +61,9 @@ struct Inputs {
   const bool* tree;  // [T, tree_cols] or null (causal)
   int64_t tree_cols, heads, kv_heads, dim;
   float scale;
+  // The value cache's copy in key pairs ([pages][Hkv][page_size / 2][D][2], see KVPool), or
+  // null: tile_values then pairs the keys it needs itself.
+  const uint16_t* vpairs = nullptr;
   int64_t group() const { return heads / kv_heads; }
 };
 
@@ -123,6 +129,9 @@ inline T* output(const Inputs<T>& in, const Block& blk, int64_t n) {
 struct Scratch {
   std::vector<float> qf, kf, vf, scores, acc, max_s, total;
   std::vector<uint16_t> qb;  // tile_scores: the block's queries as bf16 bits, 16-row tiles
+  std::vector<uint16_t> vb, pb;  // tile_values: values paired per call (no vpairs), weights as A tiles
+  std::vector<int64_t> first;    // tile_values: per query, the first key left to the vector loops
+  std::vector<const uint16_t*> chunks;  // tile_values: each 16-key chunk's value pairs
 };
 
 template <typename T>
@@ -176,6 +185,86 @@ template <typename T>
 constexpr bool tile_scored(int64_t) { return false; }
 #endif
 
+// Values on tiles (variant 3, tile-scored calls, pages of a multiple of 16 keys): a row at
+// position pos sums the values of keys [0, value_split(pos)) by tdpbf16ps, 16 keys (one
+// page's worth of pairs) an instruction, its weights rounded to bf16, and the keys after them
+// one by one in f32 as elsewhere. The split depends on the row's own position only, so the
+// same keys go through the same instructions in a decode step, a verify pass and a prefill.
+// In a tree, those keys must be keys the row sees at their own positions: the cached prefix
+// and the run of its ancestors at the tree's first columns; paged_attention refuses a tree
+// with a row whose other visible nodes number more than VALUE_MARGIN (a 16-deep branch).
+constexpr int64_t VALUE_CHUNK = 16, VALUE_MARGIN = 16;
+inline int64_t value_split(int64_t pos) {
+  return std::max<int64_t>(0, (pos + 1 - VALUE_MARGIN) / VALUE_CHUNK * VALUE_CHUNK);
+}
+template <typename T>
+inline bool tile_valued(const Inputs<T>& in) {
+  return tile_scored<T>(in.dim) && in.page_size % VALUE_CHUNK == 0;
+}
+
+// The position of block row ii's own token: the last key it sees causally, or in a tree the
+// prefix plus the new tokens its mask row shows (its ancestors and itself) less one.
+inline int64_t row_position(const Block& blk, int64_t ii) {
+  if (!blk.tree) return blk.end[ii] - 1;
+  int64_t seen = 0;
+  for (int64_t j = blk.prefix; j < blk.span; ++j) seen += blk.visible(ii, j);
+  return blk.prefix + seen - 1;
+}
+
+#if OVERLAP_VARIANT == 3
+
+// The weights' sum of a row's tile part: the bf16-rounded weights of keys below `first`, 16
+// lanes (lane l: keys l, l + 16, ...) summed in key order, then a fixed pairwise lane tree.
+inline float tile_weights_sum(const float* lanes_in) {
+  float part[16];
+  std::memcpy(part, lanes_in, sizeof(part));
+  for (int w = 8; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) part[l] += part[l + w];
+  return part[0];
+}
+
+// The definition of a row's tile part: per value dim d, the chunks of 16 keys below `first`,
+// accumulated from zero in a 1 x 1 tile, as tile_values computes them 16 queries x 16 dims
+// at a time; and their weights' sum (tile_weights_sum). p: the row's f32 weights (rounded here).
+inline void reference_tile_values(const Inputs<c10::BFloat16>& in, const Block& blk, const float* p, int64_t first,
+                                  float* acc, float& total) {
+  overlap::TileConfig cfg;
+  cfg.rows[0] = 1, cfg.colsb[0] = 4;
+  cfg.rows[1] = 1, cfg.colsb[1] = 32;
+  cfg.rows[2] = 8, cfg.colsb[2] = 4;
+  _tile_loadconfig(&cfg);
+  alignas(64) uint16_t weights[16], pairs[16];
+  for (int64_t d = 0; d < in.dim; ++d) {
+    _tile_zero(0);
+    for (int64_t c = 0; c < first; c += VALUE_CHUNK) {
+      for (int64_t j = 0; j < 16; ++j) {
+        weights[j] = c10::BFloat16(p[c + j]).x;
+        pairs[j] = value(in, blk, c + j)[d].x;
+      }
+      _tile_loadd(1, weights, 32);
+      _tile_loadd(2, pairs, 4);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, acc + d, 4);
+  }
+  _tile_release();
+  float lanes[16] = {0};
+  for (int64_t c = 0; c < first; c += VALUE_CHUNK)
+    for (int l = 0; l < 16; ++l) lanes[l] += float(c10::BFloat16(p[c + l]));
+  total = tile_weights_sum(lanes);
+}
+#endif
+
+// Where a row's value sum leaves the tiles for the f32 loops (0: no tile part).
+template <typename T>
+inline int64_t first_vector_key(const Inputs<T>& in, const Block& blk, int64_t ii) {
+#if OVERLAP_VARIANT == 3
+  if (tile_valued(in)) return value_split(row_position(blk, ii));
+#endif
+  (void)in, (void)blk, (void)ii;
+  return 0;
+}
+
 // Query n's score against key j before the scale: the tile's dot product where this variant
 // scores on tiles, else dot() of the widened rows qf and kf.
 template <typename T>
@@ -210,9 +299,8 @@ void attend_reference(const Inputs<T>& in, const Block& blk, Scratch& s) {
       }
     }
   }
-  // 2. per row and head: the max over its visible keys, then exp and their sum in key order.
+  // 2. per row and head: the max over its visible keys, then exp of each.
   s.max_s.assign(nq, -std::numeric_limits<float>::infinity());
-  s.total.assign(nq, 0.f);
   for (int64_t ii = 0; ii < blk.rows; ++ii)
     for (int64_t g = 0; g < group; ++g) {
       const int64_t n = ii * group + g;
@@ -222,25 +310,36 @@ void attend_reference(const Inputs<T>& in, const Block& blk, Scratch& s) {
         const int64_t end = blk.end[ii];
         for (int64_t j = 0; j < end; ++j) m = std::max(m, sc[j]);
         for (int64_t j = 0; j < end; ++j) sc[j] = overlap::fixed_exp(sc[j] - m);
-        for (int64_t j = 0; j < end; ++j) s.total[n] += sc[j];
         continue;
       }
       for (int64_t j = 0; j < span; ++j)
         if (blk.visible(ii, j)) m = std::max(m, sc[j]);
       for (int64_t j = 0; j < span; ++j)
-        if (blk.visible(ii, j)) {
-          sc[j] = overlap::fixed_exp(sc[j] - m);
-          s.total[n] += sc[j];
-        }
+        if (blk.visible(ii, j)) sc[j] = overlap::fixed_exp(sc[j] - m);
     }
-  // 3. weighted values in key order, each value loaded once for the block.
+  // 3. per row and head: the weighted values and the weights' sum in key order, from the
+  //    row's first vector key (the keys below it summed on tiles first, where the call does),
+  //    each value loaded once for the block.
   s.acc.assign(nq * dim, 0.f);
+  s.total.assign(nq, 0.f);
+  std::vector<int64_t> first(blk.rows);
+  for (int64_t ii = 0; ii < blk.rows; ++ii) {
+    first[ii] = first_vector_key(in, blk, ii);
+#if OVERLAP_VARIANT == 3
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      for (int64_t g = 0; first[ii] > 0 && g < group; ++g) {
+        const int64_t n = ii * group + g;
+        reference_tile_values(in, blk, s.scores.data() + n * span, first[ii], s.acc.data() + n * dim, s.total[n]);
+      }
+#endif
+  }
   for (int64_t j = 0; j < span; ++j) {
     to_float(value(in, blk, j), s.vf.data(), dim);
     for (int64_t ii = 0; ii < blk.rows; ++ii) {
-      if (!blk.visible(ii, j)) continue;
+      if (j < first[ii] || !blk.visible(ii, j)) continue;
       for (int64_t g = 0; g < group; ++g) {
         const float p = s.scores[(ii * group + g) * span + j];
+        s.total[ii * group + g] += p;
         float* a = s.acc.data() + (ii * group + g) * dim;
         for (int64_t d = 0; d < dim; ++d) a[d] = std::fma(p, s.vf[d], a[d]);
       }
@@ -447,18 +546,20 @@ inline void softmax_row(const Block& blk, int64_t ii, float* sc, int64_t stride)
   std::fill(sc + blk.span, sc + stride, 0.f);
 }
 
-// Queries q0 .. q0+NT-1: their weighted sums of values in ascending key order, with the
-// weights' sum in the same order, accumulated in registers; then out = acc / sum.
+// Queries q0 .. q0+NT-1: their weighted sums of values in ascending key order from key j0,
+// with the weights' sum in the same order, accumulated in registers from acc0 [NT][C*16] and
+// total0 [NT] (tile_values' sums; null: from zero); then out = acc / sum.
 template <typename T, int C, int NT>
-void weigh_values(const Inputs<T>& in, const Block& blk, const float* scores, int64_t stride, int64_t q0) {
+void weigh_values(const Inputs<T>& in, const Block& blk, const float* scores, int64_t stride, int64_t q0, int64_t j0,
+                  const float* acc0, const float* total0) {
   V16 acc[NT][C];
   float total[NT];
   for (int t = 0; t < NT; ++t) {
-    total[t] = 0.f;
-    for (int c = 0; c < C; ++c) acc[t][c] = vzero();
+    total[t] = total0 ? total0[t] : 0.f;
+    for (int c = 0; c < C; ++c) acc[t][c] = acc0 ? load16(acc0 + t * C * 16 + 16 * c) : vzero();
   }
   const float* p = scores + q0 * stride;
-  for (int64_t j = 0; j < blk.span; ++j) {
+  for (int64_t j = j0; j < blk.span; ++j) {
     const T* v = value(in, blk, j);
     V16 vj[C];
     for (int c = 0; c < C; ++c) vj[c] = load16(v + 16 * c);
@@ -479,11 +580,12 @@ void weigh_values(const Inputs<T>& in, const Block& blk, const float* scores, in
 }
 
 template <typename T, int C, int NT = tile_rows<C>()>
-void weigh_values_tail(const Inputs<T>& in, const Block& blk, const float* scores, int64_t stride, int64_t q0, int64_t n) {
+void weigh_values_tail(const Inputs<T>& in, const Block& blk, const float* scores, int64_t stride, int64_t q0, int64_t n,
+                       int64_t j0, const float* acc0, const float* total0) {
   if constexpr (NT > 1) {
-    if (n < NT) return weigh_values_tail<T, C, NT - 1>(in, blk, scores, stride, q0, n);
+    if (n < NT) return weigh_values_tail<T, C, NT - 1>(in, blk, scores, stride, q0, n, j0, acc0, total0);
   }
-  weigh_values<T, C, NT>(in, blk, scores, stride, q0);
+  weigh_values<T, C, NT>(in, blk, scores, stride, q0, j0, acc0, total0);
 }
 
 #if OVERLAP_VARIANT == 3
@@ -557,6 +659,137 @@ void tile_scores(const Inputs<c10::BFloat16>& in, const Block& blk, Scratch& s, 
       vstore(sc, vmul(load16(sc), scale));
     }
 }
+
+// 16 keys' values from key j (two at a time) in the B tile's pair layout at out [8][dim][2].
+inline void pair_values(const Inputs<c10::BFloat16>& in, const Block& blk, int64_t j, uint16_t* out) {
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t r = 0; r < 8; ++r) {
+    const c10::BFloat16 *v0 = value(in, blk, j + 2 * r), *v1 = value(in, blk, j + 2 * r + 1);
+    for (int64_t d = 0; d < in.dim; d += 16) {
+      const __m512i both = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + d)), 1);
+      _mm512_storeu_si512(out + (r * in.dim + d) * 2, _mm512_permutexvar_epi16(order, both));
+    }
+  }
+}
+
+// Step 3's tile part (tile_valued calls): for each query n, first[n] = value_split(its row's
+// position); acc [nq][dim] and total [nq] get the sums over the keys below it, and those keys'
+// f32 weights become 0 in scores, so that the vector loops after it, which start at the least
+// first of their queries, add nothing for them. Per tile of up to 16 queries and 16 keys:
+// tmm4 the queries' bf16 weights, tmm5-7 in turn the keys' values for 16 dims as pairs (from
+// in.vpairs, or paired here), tmm0-3 the sums of up to 4 x 16 dims. A query's sums are
+// stored when its own chunks end (the tile's others may go on), so each is the 1 x 1 tile sum
+// of reference_tile_values; its weights' sum is tile_weights_sum's, taken on the vector unit.
+template <int C>
+void tile_values(const Inputs<c10::BFloat16>& in, const Block& blk, Scratch& s, int64_t nq, int64_t stride) {
+  constexpr int64_t dim = C * 16;
+  const int64_t group = in.group(), tiles = (nq + 15) / 16;
+  s.first.assign(tiles * 16, 0);
+  int64_t most = 0;
+  for (int64_t ii = 0; ii < blk.rows; ++ii) {
+    const int64_t first = value_split(row_position(blk, ii));
+    for (int64_t g = 0; g < group; ++g) s.first[ii * group + g] = first;
+    most = std::max(most, first);
+  }
+  s.acc.assign(tiles * 16 * dim, 0.f);
+  s.total.assign(tiles * 16, 0.f);
+  if (most == 0) return;
+  // Each query's weights below its first in bf16 ([nq][most], zeros after) and their sum
+  // (tile_weights_sum), then 0 in scores.
+  s.pb.resize(nq * most);
+  for (int64_t n = 0; n < nq; ++n) {
+    uint16_t* w = s.pb.data() + n * most;
+    float* sc = s.scores.data() + n * stride;
+    V16 lanes = vzero();
+    for (int64_t j = 0; j < s.first[n]; j += 16) {
+      const __m512i bits = overlap::bf16_bits_x16(load16(sc + j));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + j), _mm512_cvtepi32_epi16(bits));
+      lanes = vadd(lanes, _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16)));
+      vstore(sc + j, vzero());
+    }
+    std::fill(w + s.first[n], w + most, 0);
+    alignas(64) float part[16];
+    vstore(part, lanes);
+    s.total[n] = tile_weights_sum(part);
+  }
+  // The values of the keys below most as pairs, when the caller keeps no copy (in.vpairs).
+  if (!in.vpairs) {
+    s.vb.resize(most * dim);
+    for (int64_t j = 0; j < most; j += VALUE_CHUNK) pair_values(in, blk, j, s.vb.data() + j * dim);
+  }
+  // Each chunk's [8][dim][2] pairs: walking the page table (page_size is a multiple of 16
+  // keys), or the copy above.
+  s.chunks.resize(most / VALUE_CHUNK);
+  const int32_t* pages = in.table + blk.b * in.max_pages;
+  const int64_t pairs_per_page = in.page_size / 2, per_page = in.page_size / VALUE_CHUNK;
+  for (int64_t c = 0, p = 0, k = 0; c < int64_t(s.chunks.size()); ++c) {
+    s.chunks[c] = in.vpairs ? in.vpairs + ((pages[p] * in.kv_heads + blk.kvh) * pairs_per_page + k * 8) * dim * 2
+                            : s.vb.data() + c * VALUE_CHUNK * dim;
+    if (++k == per_page) k = 0, ++p;
+  }
+  alignas(64) float sums[16][64];
+  // Tiles of as many query rows as the tile has queries (a decode step's kv head has group
+  // queries, not 16): tmm0-3 sums, tmm4 weights, tmm5-7 values in turn.
+  int64_t configured = 0;
+  const auto configure = [&](int64_t rows) {
+    overlap::TileConfig cfg;
+    for (int t = 0; t < 4; ++t) cfg.rows[t] = rows, cfg.colsb[t] = 64;
+    cfg.rows[4] = rows, cfg.colsb[4] = 32;
+    for (int t = 5; t < 8; ++t) cfg.rows[t] = 8, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+    configured = rows;
+  };
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t* first = s.first.data() + t * 16;
+    const int64_t rows = std::min<int64_t>(16, nq - t * 16);
+    if (rows != configured) configure(rows);
+    // The chunk counts where some of the tile's queries stop, ascending (a query of count 0 has
+    // no tile part).
+    int64_t stops[17], num_stops = 0;
+    for (int q = 0; q < rows; ++q) stops[num_stops++] = first[q] / VALUE_CHUNK;
+    std::sort(stops, stops + num_stops);
+    num_stops = std::unique(stops, stops + num_stops) - stops;
+    const int64_t chunks = stops[num_stops - 1];
+    for (int64_t d0 = 0; d0 < dim; d0 += 64) {  // 4 tiles of 16 dims a pass
+      const int64_t groups = std::min<int64_t>(4, (dim - d0) / 16);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t c = 0, next = 0; c < chunks; ++c) {
+        _tile_loadd(4, s.pb.data() + t * 16 * most + c * VALUE_CHUNK, most * 2);
+        const uint16_t* v = s.chunks[c] + d0 * 2;
+        _tile_loadd(5, v, dim * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        if (groups > 1) {
+          _tile_loadd(6, v + 32, dim * 4);
+          _tile_dpbf16ps(1, 4, 6);
+        }
+        if (groups > 2) {
+          _tile_loadd(7, v + 64, dim * 4);
+          _tile_dpbf16ps(2, 4, 7);
+        }
+        if (groups > 3) {
+          _tile_loadd(5, v + 96, dim * 4);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+        // The queries whose chunks end here take their sums now.
+        while (next < num_stops && stops[next] < c + 1) ++next;
+        if (next == num_stops || stops[next] != c + 1) continue;
+        _tile_stored(0, sums[0], 256);
+        if (groups > 1) _tile_stored(1, sums[0] + 16, 256);
+        if (groups > 2) _tile_stored(2, sums[0] + 32, 256);
+        if (groups > 3) _tile_stored(3, sums[0] + 48, 256);
+        for (int q = 0; q < rows; ++q)
+          if (first[q] == (c + 1) * VALUE_CHUNK) std::memcpy(s.acc.data() + (t * 16 + q) * dim + d0, sums[q], groups * 64);
+      }
+    }
+  }
+  _tile_release();
+}
 #endif
 
 // Step 1 on 16-lane vectors: each query against 16 keys at a time (score16), each key widened
@@ -594,10 +827,23 @@ void attend_vector(const Inputs<T>& in, const Block& blk, Scratch& s) {
     vector_scores<T, C>(in, blk, s, nq, stride);
   // 2. softmax weights per query.
   for (int64_t n = 0; n < nq; ++n) softmax_row(blk, n / in.group(), s.scores.data() + n * stride, stride);
-  // 3. values, a register tile of queries at a time.
+  // 3. values, a register tile of queries at a time (after the tile part, where there is one,
+  //    from the least first key of the tile's queries).
+  bool tiled = false;
+#if OVERLAP_VARIANT == 3
+  if constexpr (tile_scored<T>(C * 16))
+    if (tile_valued(in)) {
+      tile_values<C>(in, blk, s, nq, stride);
+      tiled = true;
+    }
+#endif
   constexpr int NT = tile_rows<C>();
-  for (int64_t q0 = 0; q0 < nq; q0 += NT)
-    weigh_values_tail<T, C>(in, blk, s.scores.data(), stride, q0, std::min<int64_t>(NT, nq - q0));
+  for (int64_t q0 = 0; q0 < nq; q0 += NT) {
+    const int64_t n = std::min<int64_t>(NT, nq - q0);
+    const int64_t j0 = tiled ? *std::min_element(s.first.begin() + q0, s.first.begin() + q0 + n) : 0;
+    weigh_values_tail<T, C>(in, blk, s.scores.data(), stride, q0, n, j0, tiled ? s.acc.data() + q0 * C * 16 : nullptr,
+                            tiled ? s.total.data() + q0 : nullptr);
+  }
 }
 
 #endif  // OVERLAP_VARIANT >= 0
@@ -662,16 +908,59 @@ void run(const Inputs<T>& in, int64_t num_seqs, bool reference) {
   });
 }
 
+// A tree row's values below value_split(its position) must be keys it sees at their own
+// positions (the prefix, then its leading run of ancestors at columns 0, 1, ...): refuse a
+// row that sees more than VALUE_MARGIN new tokens past that run. tree [rows, cols].
+void check_tree_depth(const bool* tree, int64_t rows, int64_t cols) {
+  for (int64_t t = 0; t < rows; ++t) {
+    const bool* row = tree + t * cols;
+    int64_t run = 0, seen = 0;
+    while (run < cols && row[run]) ++run;
+    for (int64_t j = run; j < cols; ++j) seen += row[j];
+    TORCH_CHECK(seen <= VALUE_MARGIN, "paged_attention: a tree row sees ", seen,
+                " new tokens off its leading path; this kernel verifies at most ", VALUE_MARGIN);
+  }
+}
+
 }  // namespace
+
+// The value cache's pair copy at the given slots, from the value cache: v_all [L, slots, Hkv,
+// D], pairs_all [L, pages, Hkv, page_size / 2, D, 2] (KVPool); layer -1: every layer.
+void sync_value_pairs(torch::Tensor v_all, torch::Tensor pairs_all, torch::Tensor slots, int64_t page_size,
+                      int64_t layer) {
+  TORCH_CHECK(v_all.scalar_type() == torch::kBFloat16 && pairs_all.scalar_type() == torch::kBFloat16 &&
+                  v_all.is_contiguous() && pairs_all.is_contiguous() && v_all.numel() == pairs_all.numel() &&
+                  v_all.dim() == 4 && page_size % 2 == 0,
+              "sync_value_pairs: bf16 caches [L, slots, Hkv, D] and their pairs");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64, "sync_value_pairs: int64 slots");
+  slots = slots.contiguous();
+  const int64_t layers = v_all.size(0), num_slots = v_all.size(1), kv_heads = v_all.size(2), dim = v_all.size(3);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t n = slots.numel();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < num_slots, "sync_value_pairs: slot out of range");
+  const uint16_t* v = reinterpret_cast<const uint16_t*>(v_all.data_ptr<at::BFloat16>());
+  uint16_t* pairs = reinterpret_cast<uint16_t*>(pairs_all.data_ptr<at::BFloat16>());
+  const int64_t per_layer = num_slots * kv_heads * dim;
+  for (int64_t l = layer < 0 ? 0 : layer; l < (layer < 0 ? layers : layer + 1); ++l)
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t page = slot[i] / page_size, off = slot[i] % page_size;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const uint16_t* src = v + l * per_layer + (slot[i] * kv_heads + h) * dim;
+        uint16_t* dst = pairs + l * per_layer + ((page * kv_heads + h) * (page_size / 2) + off / 2) * dim * 2 + off % 2;
+        for (int64_t d = 0; d < dim; ++d) dst[2 * d] = src[d];
+      }
+    }
+}
 
 // q [T, H, D]; k_cache, v_cache [slots, Hkv, D] (the flat paged pool); per sequence b:
 // q_start, q_len, kv_len [B] i32, page_table [B, max_pages] i32; tree [T, Qmax] bool or an
 // empty tensor (causal): row t's visibility of its own sequence's new tokens. reference: run
 // the plain loops (the definition) instead of the vector path, for tests.
+// v_pairs: the value cache's copy in key pairs (KVPool.value_pairs), or an empty tensor.
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor q_start, torch::Tensor q_len, torch::Tensor kv_len,
                               torch::Tensor page_table, int64_t page_size, torch::Tensor tree,
-                              double scale, bool reference) {
+                              double scale, bool reference, c10::optional<torch::Tensor> v_pairs) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && q.size(2) == k_cache.size(2),
               "paged_attention: q [T, H, D] and caches [slots, Hkv, D]");
   TORCH_CHECK(q.size(2) <= MAX_DIM, "paged_attention: head_dim > ", MAX_DIM);
@@ -689,12 +978,20 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   TORCH_CHECK(heads % kv_heads == 0, "paged_attention: heads must be a multiple of kv heads");
   const bool has_tree = tree.defined() && tree.numel() > 0;
   if (has_tree) TORCH_CHECK(tree.scalar_type() == torch::kBool && tree.is_contiguous() && tree.size(0) == q.size(0));
+  const bool has_pairs = v_pairs.has_value() && v_pairs->defined() && v_pairs->numel() > 0;
+  if (has_pairs)
+    TORCH_CHECK(v_pairs->scalar_type() == torch::kBFloat16 && v_pairs->is_contiguous() &&
+                    v_pairs->numel() == v_cache.numel() && page_size % 2 == 0,
+                "paged_attention: v_pairs is the value cache's pair copy [pages, Hkv, page_size / 2, D, 2]");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    const Inputs<scalar_t> in{q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+    Inputs<scalar_t> in{q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                               out.data_ptr<scalar_t>(), q_start.data_ptr<int32_t>(), q_len.data_ptr<int32_t>(),
                               kv_len.data_ptr<int32_t>(), page_table.data_ptr<int32_t>(), page_table.size(1),
                               page_size, has_tree ? tree.data_ptr<bool>() : nullptr, has_tree ? tree.size(1) : 0,
                               heads, kv_heads, dim, float(scale)};
+    if (has_pairs && q.scalar_type() == torch::kBFloat16)
+      in.vpairs = reinterpret_cast<const uint16_t*>(v_pairs->data_ptr<at::BFloat16>());
+    if (has_tree && tile_valued(in)) check_tree_depth(in.tree, tree.size(0), tree.size(1));
     run<scalar_t>(in, q_start.size(0), reference);
   });
   return out;

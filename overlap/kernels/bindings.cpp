@@ -11,7 +11,9 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor q_start, torch::Tensor q_len, torch::Tensor kv_len,
                               torch::Tensor page_table, int64_t page_size, torch::Tensor tree,
-                              double scale, bool reference);
+                              double scale, bool reference, c10::optional<torch::Tensor> v_pairs);
+void sync_value_pairs(torch::Tensor v_all, torch::Tensor pairs_all, torch::Tensor slots, int64_t page_size,
+                      int64_t layer);
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
@@ -30,7 +32,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "batch-invariant paged attention (attention.cpp)",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("q_start"),
         pybind11::arg("q_len"), pybind11::arg("kv_len"), pybind11::arg("page_table"), pybind11::arg("page_size"),
-        pybind11::arg("tree"), pybind11::arg("scale"), pybind11::arg("reference") = false);
+        pybind11::arg("tree"), pybind11::arg("scale"), pybind11::arg("reference") = false,
+        pybind11::arg("v_pairs") = pybind11::none());
+  m.def("sync_value_pairs", &sync_value_pairs, "the value cache's key-pair copy at some slots (attention.cpp)");
   m.def("rms_norm", &rms_norm, "fused bf16 RMSNorm (layer_ops.cpp)");
   m.def("silu_mul", &silu_mul, "SwiGLU: silu(gate) * up (layer_ops.cpp)");
   m.def("rotary_", &rotary_, "rotary embedding in place on q and k heads (layer_ops.cpp)");

@@ -47,6 +47,11 @@ def build_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | 
     if spec.lookup_branch < 0 or (spec.lookup_branch and spec.method not in BRANCHED_METHODS):
         raise ValueError(f"spec.lookup_branch {spec.lookup_branch}: a lookup branch is verified beside a model "
                          f"drafter's drafts (draft, mtp or eagle), not with {spec.method!r}; 0 turns it off")
+    if spec.lookup_branch > 16 or (spec.method == "eagle" and spec.tree_depth > 16):
+        # The CPU attention kernel sums a tree row's older values on AMX tiles only up to 16
+        # tokens off the row's leading path (attention.cpp, VALUE_MARGIN), and refuses more.
+        raise ValueError(f"spec.lookup_branch {spec.lookup_branch} / tree_depth {spec.tree_depth}: "
+                         "branches and trees are verified at most 16 tokens deep")
     if spec.lookup_min_match < 1:
         raise ValueError(f"spec.lookup_min_match {spec.lookup_min_match}: the branch needs a match of >= 1 token")
     if not 1 <= spec.ngram_min <= spec.ngram_max:

@@ -114,6 +114,7 @@ def test_cpu_kernel_rows_do_not_depend_on_the_batch(dtype, heads):
     pool = KVPool(1, 40, page_size, hkv, d, dtype)
     pool.k[0].normal_()
     pool.v[0].normal_()
+    pool.sync_value_pairs()
     tree = tree_mask_from_parents([-1, 0, 0, 1, 1, 2])
     seqs = [SeqAttention(1, 21, list(range(0, 6))), SeqAttention(4, 13, list(range(6, 10))),
             SeqAttention(6, 15, list(range(10, 14)), tree), SeqAttention(37, 37, list(range(14, 24)))]
@@ -146,6 +147,7 @@ def _kernel_cases():
         pool = KVPool(1, 60, page, hkv, d, dtype)
         pool.k[0].normal_()
         pool.v[0].normal_()
+        pool.sync_value_pairs()
         free = torch.randperm(60).tolist()
         attn = [SeqAttention(n, c + n, [free.pop() for _ in range(-(-(c + n) // page))], t) for c, n, t in seqs]
         q = (torch.randn(sum(n for _, n, _ in seqs), heads, d) * 3).to(dtype)
