@@ -618,8 +618,11 @@ inline void transpose16(__m512i (&r)[16]) {
 // transposed into the B tile's layout (VNNI: row r holds every key's pair r). tmm0: 16 x 16
 // sums (queries x keys), tmm1: 16 queries x 32 dims, tmm2: 32 dims x 16 keys. A sum is the
 // tile_dot of its query and key wherever they sit in the tiles; then times scale.
+// values_from: the least key whose value row step 3 reads (the keys below it are summed from
+// the value cache's pair copy), whose rows are fetched ahead here.
 template <int C>
-void tile_scores(const Inputs<c10::BFloat16>& in, const Block& blk, Scratch& s, int64_t nq, int64_t stride) {
+void tile_scores(const Inputs<c10::BFloat16>& in, const Block& blk, Scratch& s, int64_t nq, int64_t stride,
+                 int64_t values_from) {
   constexpr int64_t dim = C * 16, chunks = dim / 32;
   const int64_t tiles = (nq + 15) / 16, span = blk.span;
   s.qb.assign(tiles * 16 * dim, 0);
@@ -632,7 +635,7 @@ void tile_scores(const Inputs<c10::BFloat16>& in, const Block& blk, Scratch& s, 
     const int64_t keys = std::min<int64_t>(16, span - j0);
     for (int64_t k = 0; k < keys; ++k) {
       if (j0 + 16 + k < span) prefetch_row<_MM_HINT_T0>(key(in, blk, j0 + 16 + k), dim);  // the next block's keys
-      prefetch_row<_MM_HINT_T1>(value(in, blk, j0 + k), dim);  // this block's values, for step 3
+      if (j0 + k >= values_from) prefetch_row<_MM_HINT_T1>(value(in, blk, j0 + k), dim);  // for step 3
     }
     for (int64_t c = 0; c < chunks; ++c) {
       __m512i r[16];  // past span: zeros, whose scores softmax_row discards
@@ -820,9 +823,16 @@ void attend_vector(const Inputs<T>& in, const Block& blk, Scratch& s) {
   // 1. scores [nq][stride] (rows up to a whole tile of 16, for tile_scores' stores).
   s.scores.resize((nq + 15) / 16 * 16 * stride);
 #if OVERLAP_VARIANT == 3
-  if constexpr (tile_scored<T>(C * 16))
-    tile_scores<C>(in, blk, s, nq, stride);
-  else
+  if constexpr (tile_scored<T>(C * 16)) {
+    // Where the value pass starts on tiles from the pair copy, the f32 loops read only the
+    // value rows from the least split of the block's rows on.
+    int64_t values_from = 0;
+    if (tile_valued(in) && in.vpairs) {
+      values_from = blk.span;
+      for (int64_t ii = 0; ii < blk.rows; ++ii) values_from = std::min(values_from, value_split(row_position(blk, ii)));
+    }
+    tile_scores<C>(in, blk, s, nq, stride, values_from);
+  } else
 #endif
     vector_scores<T, C>(in, blk, s, nq, stride);
   // 2. softmax weights per query.
