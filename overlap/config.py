@@ -100,10 +100,11 @@ class SpecConfig:
     head: str | None = None  # mtp / eagle: the MTP head's directory (tools/train_mtp.py)
     tree_depth: int = 3  # eagle: levels below the root
     tree_topk: int = 2  # eagle: children per node at most
-    # eagle: nodes verified per step. 5: with the root, 6 rows, one tile of the CPU bf16
-    # matmuls (linear_bf16.cpp); 8 nodes (9 rows) take two and ran slower than they gained
-    # (docs/mtp_eagle.md, "Session 20"). A GPU verifies 9-16 rows at about one row's cost.
-    tree_tokens: int = 5
+    # eagle: nodes verified per step. 7: with the root and an 8-token lookup branch, 16 rows,
+    # one AMX row tile of the CPU bf16 matmuls; since attention sums old values on tiles
+    # (session 26) 7 nodes ran 1.2-1.4% faster than 5 at batch 1, paired (6 and 8 had tied
+    # before it; docs/mtp_eagle.md, "Session 26"). A GPU verifies 9-16 rows at about one row's cost.
+    tree_tokens: int = 7
     tree: str = "static"  # eagle: static (fixed shape) | dynamic (EAGLE-2)
     # mtp / eagle: the head scores only the N most frequent tokens (0: the full vocabulary;
     # None: the head's own choice, its config's `draft_vocab`, 4,096 for the shipped head);

@@ -275,7 +275,7 @@ def test_bench_eagle_n_runs_a_tree_of_n_nodes(prompts_file, monkeypatch):
     monkeypatch.setattr(bench, "run_bench", lambda variants, *a, **kw: seen.extend(variants) or {})
     monkeypatch.setattr(bench, "format_report", lambda report: "")
     assert cli.main(["bench", "--prompts", str(prompts_file), "--spec", "eagle:5", "eagle:8", "eagle"]) == 0
-    assert [(v.label, v.config.spec.tree_tokens) for v in seen] == [("eagle:5", 5), ("eagle:8", 8), ("eagle", 5)]
+    assert [(v.label, v.config.spec.tree_tokens) for v in seen] == [("eagle:5", 5), ("eagle:8", 8), ("eagle", 7)]
 
 
 def test_generate_takes_the_controller_switch():
