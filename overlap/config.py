@@ -103,7 +103,8 @@ class SpecConfig:
     # eagle: nodes verified per step. 7: with the root and an 8-token lookup branch, 16 rows,
     # one AMX row tile of the CPU bf16 matmuls; since attention sums old values on tiles
     # (session 26) 7 nodes ran 1.2-1.4% faster than 5 at batch 1, paired (6 and 8 had tied
-    # before it; docs/mtp_eagle.md, "Session 26"). A GPU verifies 9-16 rows at about one row's cost.
+    # before it; at batch 8 it is 2.8% slower than 5: docs/mtp_eagle.md, "Session 26"). A GPU
+    # verifies 9-16 rows at about one row's cost.
     tree_tokens: int = 7
     tree: str = "static"  # eagle: static (fixed shape) | dynamic (EAGLE-2)
     # mtp / eagle: the head scores only the N most frequent tokens (0: the full vocabulary;
