@@ -265,6 +265,21 @@ inline int64_t first_vector_key(const Inputs<T>& in, const Block& blk, int64_t i
   return 0;
 }
 
+// Each of the block's nq queries' first vector key into s.first (padded with 0 to whole
+// 16-query tiles), once per block for the score and value passes; → the least of them.
+template <typename T>
+int64_t value_firsts(const Inputs<T>& in, const Block& blk, Scratch& s, int64_t nq) {
+  const int64_t group = in.group();
+  s.first.assign((nq + 15) / 16 * 16, 0);
+  int64_t least = blk.span;
+  for (int64_t ii = 0; ii < blk.rows; ++ii) {
+    const int64_t first = first_vector_key(in, blk, ii);
+    for (int64_t g = 0; g < group; ++g) s.first[ii * group + g] = first;
+    least = std::min(least, first);
+  }
+  return least;
+}
+
 // Query n's score against key j before the scale: the tile's dot product where this variant
 // scores on tiles, else dot() of the widened rows qf and kf.
 template <typename T>
@@ -686,17 +701,12 @@ inline void pair_values(const Inputs<c10::BFloat16>& in, const Block& blk, int64
 // in.vpairs, or paired here), tmm0-3 the sums of up to 4 x 16 dims. A query's sums are
 // stored when its own chunks end (the tile's others may go on), so each is the 1 x 1 tile sum
 // of reference_tile_values; its weights' sum is tile_weights_sum's, taken on the vector unit.
+// s.first: set by value_firsts.
 template <int C>
 void tile_values(const Inputs<c10::BFloat16>& in, const Block& blk, Scratch& s, int64_t nq, int64_t stride) {
   constexpr int64_t dim = C * 16;
-  const int64_t group = in.group(), tiles = (nq + 15) / 16;
-  s.first.assign(tiles * 16, 0);
-  int64_t most = 0;
-  for (int64_t ii = 0; ii < blk.rows; ++ii) {
-    const int64_t first = value_split(row_position(blk, ii));
-    for (int64_t g = 0; g < group; ++g) s.first[ii * group + g] = first;
-    most = std::max(most, first);
-  }
+  const int64_t tiles = (nq + 15) / 16;
+  const int64_t most = *std::max_element(s.first.begin(), s.first.begin() + nq);
   s.acc.assign(tiles * 16 * dim, 0.f);
   s.total.assign(tiles * 16, 0.f);
   if (most == 0) return;
@@ -823,29 +833,24 @@ void attend_vector(const Inputs<T>& in, const Block& blk, Scratch& s) {
   // 1. scores [nq][stride] (rows up to a whole tile of 16, for tile_scores' stores).
   s.scores.resize((nq + 15) / 16 * 16 * stride);
 #if OVERLAP_VARIANT == 3
+  const bool tiled = tile_scored<T>(C * 16) && tile_valued(in);
   if constexpr (tile_scored<T>(C * 16)) {
     // Where the value pass starts on tiles from the pair copy, the f32 loops read only the
-    // value rows from the least split of the block's rows on.
-    int64_t values_from = 0;
-    if (tile_valued(in) && in.vpairs) {
-      values_from = blk.span;
-      for (int64_t ii = 0; ii < blk.rows; ++ii) values_from = std::min(values_from, value_split(row_position(blk, ii)));
-    }
-    tile_scores<C>(in, blk, s, nq, stride, values_from);
+    // value rows from the least first key of the block's queries on.
+    const int64_t least = tiled ? value_firsts(in, blk, s, nq) : 0;
+    tile_scores<C>(in, blk, s, nq, stride, in.vpairs ? least : 0);
   } else
+#else
+  constexpr bool tiled = false;
 #endif
     vector_scores<T, C>(in, blk, s, nq, stride);
   // 2. softmax weights per query.
   for (int64_t n = 0; n < nq; ++n) softmax_row(blk, n / in.group(), s.scores.data() + n * stride, stride);
   // 3. values, a register tile of queries at a time (after the tile part, where there is one,
   //    from the least first key of the tile's queries).
-  bool tiled = false;
 #if OVERLAP_VARIANT == 3
   if constexpr (tile_scored<T>(C * 16))
-    if (tile_valued(in)) {
-      tile_values<C>(in, blk, s, nq, stride);
-      tiled = true;
-    }
+    if (tiled) tile_values<C>(in, blk, s, nq, stride);
 #endif
   constexpr int NT = tile_rows<C>();
   for (int64_t q0 = 0; q0 < nq; q0 += NT) {
