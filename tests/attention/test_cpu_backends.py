@@ -102,22 +102,37 @@ def test_tree_mask_equals_each_path_alone(backend):
         torch.testing.assert_close(out[path], ref, rtol=1e-5, atol=1e-5)
 
 
+# (page size, [(new rows, context, tree parents or None)], the verify chains' first rows):
+# short contexts on 4-token pages; long ones on 16-token pages, where the AMX variant sums
+# the older keys' values on tiles (attention.cpp, tile_values) and the rest in f32 loops.
+BATCH_LAYOUTS = {
+    "short": (4, [(1, 21, None), (4, 13, None), (6, 15, [-1, 0, 0, 1, 1, 2]), (37, 37, None)], [1]),
+    "long": (16, [(1, 290, None), (5, 130, None), (6, 220, [-1, 0, 0, 1, 1, 2]), (70, 200, None)], [1, 12]),
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("heads", [(H, HKV, D), (9, 3, 64)])
-def test_cpu_kernel_rows_do_not_depend_on_the_batch(dtype, heads):
+@pytest.mark.parametrize("layout", list(BATCH_LAYOUTS))
+def test_cpu_kernel_rows_do_not_depend_on_the_batch(dtype, heads, layout):
     """A decode row, a verify pass, a tree and a prefill chunk of one sequence give the same
-    bits alone and batched with other sequences (and under other row splits). Head dim 64 in
-    bf16 takes the AMX tile scores where the machine has them."""
+    bits alone and batched with other sequences (and under other row splits), and the rows
+    of a verify pass (or prefill chunk) equal the same tokens run as single decode steps.
+    Head dim 64 in bf16 takes the AMX tile scores (and, on 16-token pages, value tiles)
+    where the machine has them."""
     h, hkv, d = heads
+    page_size, shapes, first_rows = BATCH_LAYOUTS[layout]
     torch.manual_seed(0)
-    page_size = 4
-    pool = KVPool(1, 40, page_size, hkv, d, dtype)
+    seqs, next_page = [], 0
+    for q_len, kv_len, parents in shapes:
+        pages = -(-kv_len // page_size)
+        tree = tree_mask_from_parents(parents) if parents else None
+        seqs.append(SeqAttention(q_len, kv_len, list(range(next_page, next_page + pages)), tree))
+        next_page += pages
+    pool = KVPool(1, next_page, page_size, hkv, d, dtype)
     pool.k[0].normal_()
     pool.v[0].normal_()
     pool.sync_value_pairs()
-    tree = tree_mask_from_parents([-1, 0, 0, 1, 1, 2])
-    seqs = [SeqAttention(1, 21, list(range(0, 6))), SeqAttention(4, 13, list(range(6, 10))),
-            SeqAttention(6, 15, list(range(10, 14)), tree), SeqAttention(37, 37, list(range(14, 24)))]
     qs = [torch.randn(s.q_len, h, d).to(dtype) for s in seqs]
     backend = CpuBackend()
     together = backend.run(0, torch.cat(qs), pool, backend.plan(seqs, page_size))
@@ -126,12 +141,13 @@ def test_cpu_kernel_rows_do_not_depend_on_the_batch(dtype, heads):
         alone = backend.run(0, q, pool, backend.plan([s], page_size))
         assert torch.equal(alone, together[row: row + s.q_len])
         row += s.q_len
-    # The verify pass's rows equal the same tokens run as single decode steps.
-    s = seqs[1]
-    for i in range(s.q_len):
-        step = SeqAttention(1, s.kv_len - s.q_len + i + 1, s.page_table)
-        assert torch.equal(backend.run(0, qs[1][i: i + 1], pool, backend.plan([step], page_size))[0],
-                           together[1 + i])
+    # The rows of the chain (and the prefill chunk) equal the same tokens run as decode steps.
+    for index, first_row in zip((1, 3), first_rows):
+        s = seqs[index]
+        for i in range(s.q_len):
+            step = SeqAttention(1, s.kv_len - s.q_len + i + 1, s.page_table)
+            assert torch.equal(backend.run(0, qs[index][i: i + 1], pool, backend.plan([step], page_size))[0],
+                               together[first_row + i])
 
 
 def _kernel_cases():

@@ -1,7 +1,7 @@
 """The AMX variant's value tiles (attention.cpp, tile_values) and the pair copy of the value
 cache they read (KVPool.value_pairs): the copy follows every write, the tiles give the
-reference loops' bits whether they read the copy or pair the keys themselves, and rows stay
-batch-invariant across decode steps, verify chains, trees and prefill chunks."""
+reference loops' bits whether they read the copy or pair the keys themselves. (Rows stay
+batch-invariant over the value tiles too: test_cpu_backends.py's batch test, "long" layout.)"""
 
 import math
 
@@ -81,27 +81,6 @@ def test_value_tiles_equal_the_reference_loops():
         assert torch.isfinite(from_copy.float()).all()
         assert torch.equal(from_copy, _call(q, pool, meta))
         assert torch.equal(from_copy, _call(q, pool, meta, reference=True))
-
-
-@amx_only
-def test_value_tile_rows_do_not_depend_on_the_batch():
-    """A decode row, a verify chain, a tree and a prefill chunk give the same bits alone and
-    batched together, and each verify row equals the same token run as a decode step."""
-    pool, backend = _pool(60, 1), CpuBackend()
-    tree = tree_mask_from_parents([-1, 0, 0, 1, 1, 2])
-    seqs = [SeqAttention(1, 290, list(range(0, 19))), SeqAttention(5, 130, list(range(19, 28))),
-            SeqAttention(6, 220, list(range(28, 42)), tree), SeqAttention(70, 200, list(range(42, 55)))]
-    qs = [torch.randn(s.q_len, H, D).bfloat16() for s in seqs]
-    together = backend.run(0, torch.cat(qs), pool, backend.plan(seqs, PAGE))
-    row = 0
-    for s, q in zip(seqs, qs):
-        assert torch.equal(backend.run(0, q, pool, backend.plan([s], PAGE)), together[row: row + s.q_len])
-        row += s.q_len
-    for seq, first_row in ((seqs[1], 1), (seqs[3], 12)):
-        for i in range(seq.q_len):
-            step = SeqAttention(1, seq.kv_len - seq.q_len + i + 1, seq.page_table)
-            assert torch.equal(backend.run(0, qs[seqs.index(seq)][i: i + 1], pool, backend.plan([step], PAGE))[0],
-                               together[first_row + i])
 
 
 @amx_only
