@@ -33,7 +33,7 @@ costs exactly a plain decode) once it has gone without drafts for
 - `detach_hopeless` steps in which the batch itself ruled speculation out (had all its
   drafting sequences taken any one of their options with an average sequence's acceptance,
   none would have beaten plain decoding: a compute-bound batch, which no acceptance of its
-  own changes), or
+  own changes; judged only once a plain step of the batch's size has been timed), or
 - `detach_after` steps whatever the reason (its own acceptance stayed too low: slower,
   since acceptance is noisy and `relax` re-probes it meanwhile).
 Under sustained load every sequence detaches within a few steps. A new request is admitted
@@ -139,13 +139,14 @@ class StepCostModel:
 
     Online correction: each observed plain step (its rows and its wall time) updates an
     exponential average of observed / predicted for the rows bucket it fell in (buckets by
-    powers of two), so a curve measured under other conditions (another context length, a
+    powers of two; a bucket's first steps as their plain mean), so a curve measured under other conditions (another context length, a
     busier machine) bends toward what the server actually sees. A correction per bucket, not
     one scale, because one scale never changes a decision (the rate's argmax is scale-free):
     only the curve's shape does.
 
-    A speculative step's excess over that prediction (rows plus the drafter's levels) is the
-    price of speculating: a forward over the same rows costs the same either way, so what is
+    A speculative step's excess over that prediction (rows plus the drafter's levels, as the
+    curve is corrected when the price is asked: the step is kept whole) is the price of
+    speculating: a forward over the same rows costs the same either way, so what is
     left is the proposal, the verification and their host work, which a bare cost curve does
     not see. It grows with the number of sequences that draft (each has its own proposal,
     acceptance walk and KV moves), so it is learned per bucket of that number (powers of
@@ -175,11 +176,13 @@ class StepCostModel:
         self.drafter_fraction = drafter_fraction
         self.alpha = alpha
         self.correction: dict[int, float] = {}  # bucket → observed / predicted (EMA), plain steps
-        # (bucket of speculating sequences, tree step?) → its speculative steps: (ms beyond the
-        # prediction, sequences drafting), the last `window` of them; the first one is skipped
-        # (_Overhead). Tree steps apart: a tree's expansion and walk cost more than a chain's,
+        self.plain_steps = Counter()  # bucket → plain steps observed in it
+        # (bucket of speculating sequences, tree step?) → its speculative steps: (ms, rows,
+        # drafter levels, sequences drafting), the last `window` of them, priced against the
+        # curve when asked; the first one is skipped (_Overhead). Tree steps apart: a tree's expansion and walk cost more than a chain's,
         # and one median over both priced EAGLE's trees at its chains' price (session 9).
         self.overhead: dict[tuple[int, bool], _Overhead] = {}
+        self._prices: dict[int, float] = {}  # id(_Overhead) → its price on the current curve
 
     @classmethod
     def from_report(cls, report: dict, drafter: str | None = None, batch=None) -> "StepCostModel":
@@ -203,7 +206,7 @@ class StepCostModel:
         return {"points": {str(r): ms for r, ms in zip(self.rows, self.ms)}, "drafter_fraction": self.drafter_fraction,
                 "drafter_points": {str(r): ms for r, ms in self.drafter_points},
                 "correction": {str(1 << (b - 1)): c for b, c in sorted(self.correction.items())},
-                "spec_overhead_ms": {("tree " if t else "") + str(1 << (b - 1)): o.ms
+                "spec_overhead_ms": {("tree " if t else "") + str(1 << (b - 1)): self._price(o)
                                      for (b, t), o in sorted(self.overhead.items()) if o.ready}}
 
     @staticmethod
@@ -262,12 +265,25 @@ class StepCostModel:
             # bucket's sequences and stays flat above them: optimistic either way, so another
             # batch size gets tried, measured, and fitted.
             (only,) = seen.values()
-            return only.ms * min(speculating / only.count, 1.0)
-        fixed, per_seq = _fixed_plus_per_sequence([(o.count, o.ms) for o in seen.values()])
+            return self._price(only) * min(speculating / only.count, 1.0)
+        fixed, per_seq = _fixed_plus_per_sequence([(o.count, self._price(o)) for o in seen.values()])
         own = seen.get(self._bucket(speculating))
         if own is not None:  # its own bucket's price, moved along the fitted slope within it
-            return max(own.ms + per_seq * (speculating - own.count), 0.0)
+            return max(self._price(own) + per_seq * (speculating - own.count), 0.0)
         return fixed + per_seq * speculating
+
+    def _predicted(self, rows: int, drafter_rows) -> float:
+        """A step's predicted ms over `rows` rows with the drafter's levels, before any price
+        of speculating."""
+        return self.step_ms(rows) + sum(self.drafter_ms(n) for n in drafter_rows if n)
+
+    def _price(self, overhead: "_Overhead") -> float:
+        """A bucket's price of speculating against the curve as corrected now (cached until the
+        next observed step changes the curve or the bucket)."""
+        key = id(overhead)
+        if key not in self._prices:
+            self._prices[key] = overhead.price(self._predicted)
+        return self._prices[key]
 
     def observe(self, rows: int, drafter_rows: list[int], ms: float, speculating: int = 0,
                 catch_up_rows: int = 0, tree: bool = False) -> None:
@@ -279,11 +295,14 @@ class StepCostModel:
         # priced speculation out at batch 1 for good: docs/controller.md, session 8). What is
         # learned from is the step's own time, its predicted share taken out.
         ms = max(ms - self.drafter_ms(catch_up_rows), 0.0)
+        self._prices.clear()
         if speculating:
-            predicted = self.step_ms(rows) + sum(self.drafter_ms(n) for n in drafter_rows if n)
-            # Clamped like the ratio below: one stalled step must not rewrite the overhead.
-            excess = min(max(ms - predicted, 0.0), predicted)
-            self.overhead.setdefault((self._bucket(speculating), tree), _Overhead()).add(excess, speculating)
+            # Kept whole, and priced against the curve as it is when asked (_price): a price
+            # taken once as the excess over the curve of that moment counted the host work of a
+            # batch twice once plain steps had corrected the curve for it (concurrency 16, mtp:3:
+            # 40 ms a step learned before any plain step of 16 rows was seen, session 27).
+            self.overhead.setdefault((self._bucket(speculating), tree), _Overhead()).add(
+                ms, rows, tuple(drafter_rows), speculating)
             return
         predicted = self._base(rows)
         if predicted <= 0:
@@ -291,7 +310,15 @@ class StepCostModel:
         b = self._bucket(rows)
         ratio = min(4.0, max(0.25, ms / predicted))  # one stalled step must not rewrite the curve
         old = self._correction(b)
-        self.correction[b] = old + self.alpha * (ratio - old)
+        # A bucket's own first steps weigh 1, 1/2, 1/3, ... (their mean) until that falls to
+        # alpha: from the borrowed value at alpha, a batch of 16 priced at 1.0 took 20 plain steps
+        # to reach its 1.75, and was detached meanwhile (session 27).
+        self.plain_steps[b] += 1
+        self.correction[b] = old + max(self.alpha, 1.0 / self.plain_steps[b]) * (ratio - old)
+
+    def plain_measured(self, rows: int) -> bool:
+        """Whether a plain step in the rows bucket of `rows` has been observed."""
+        return self.plain_steps[self._bucket(rows)] > 0
 
 
 def _interpolate(points: list[tuple[int, float]], x: float) -> float:
@@ -326,32 +353,44 @@ def _fixed_plus_per_sequence(points: list[tuple[float, float]]) -> tuple[float, 
 @dataclass
 class _Overhead:
     """The price of speculating in one bucket: the median of its last `window` speculative
-    steps' excess ms (and of their drafting sequences). The median, not an average, and the
+    steps' excess ms over the curve as it is corrected now (and of their drafting sequences). The median, not an average, and the
     bucket's first step skipped: the first speculative step of a kind pays one-time costs (a
     first EAGLE tree step was measured at 57 ms against 14 predicted), and one such step,
-    averaged in, priced trees out for good: the controller never drafted again to unlearn it."""
+    averaged in, priced trees out for good: the controller never drafted again to unlearn it.
+    And no price before `min_steps` steps are in: a median of one is that one step. At
+    concurrency 16 (mtp:3) the second speculative step of the batch still paid warm-up (91 ms
+    against 43 predicted); priced from it alone, speculation for 16 sequences cost as much as
+    the step itself, every sequence was detached three steps later and the run decoded plain
+    (session 27, docs/controller.md). Until a bucket is priced the line through the others
+    prices it, or nothing does (it is tried: optimistic, as a kind not seen yet is)."""
 
     window: int = 8
+    min_steps: int = 3
     steps: int = 0
-    recent: list = field(default_factory=list)  # [(excess ms, speculating)]
+    recent: list = field(default_factory=list)  # [(ms, rows, drafter levels, speculating)]
 
-    def add(self, ms: float, speculating: int) -> None:
+    def add(self, ms: float, rows: int, drafter_rows: tuple, speculating: int) -> None:
         self.steps += 1
         if self.steps == 1:
             return
-        self.recent = (self.recent + [(ms, speculating)])[-self.window:]
+        self.recent = (self.recent + [(ms, rows, drafter_rows, speculating)])[-self.window:]
 
     @property
     def ready(self) -> bool:
-        return bool(self.recent)
+        return len(self.recent) >= self.min_steps
 
-    @property
-    def ms(self) -> float:
-        return _median([m for m, _ in self.recent])
+    def price(self, predicted) -> float:
+        """The median excess of the recent steps over predicted(rows, drafter levels), each
+        clamped to [0, its prediction] (one stalled step must not rewrite the price)."""
+        excess = []
+        for ms, rows, drafter_rows, _ in self.recent:
+            p = predicted(rows, drafter_rows)
+            excess.append(min(max(ms - p, 0.0), p))
+        return _median(excess)
 
     @property
     def count(self) -> float:
-        return _median([c for _, c in self.recent])
+        return _median([c for *_, c in self.recent])
 
 
 def _median(values: list[float]) -> float:
@@ -587,6 +626,13 @@ class SpeculationController:
         only the cheapest: a chain of 3 (or a branch's copy) can pay where one draft does not
         (session 22)."""
         if batch <= 0:
+            return False
+        # Judged only against a measured plain step: before a plain step of this batch's size
+        # has run, its price is the curve's guess (at concurrency 16 the bare forward, 26 ms
+        # where the step took 45) and speculation was ruled out, and every sequence detached,
+        # on it (session 27).
+        measured = getattr(self.cost, "plain_measured", None)
+        if measured is not None and not measured(batch + other_rows):
             return False
         branch_rows, branch_tokens = self._branch(None)
         plain = (batch + other_tokens) / self._time(batch + other_rows, [], 0) * self.config.min_gain

@@ -322,6 +322,34 @@ def test_a_batch_that_rules_speculation_out_detaches_its_sequences_sooner():
     assert steps == 16
 
 
+def test_a_batch_is_ruled_out_only_against_a_measured_plain_step():
+    """Before a plain step of the batch's size has run, its price is the curve's guess: no
+    hopeless verdict on it (the sequences stay attached); once one has run, the verdict counts."""
+    cost = StepCostModel({1: 10.0, 16: 20.0, 64: 200.0})  # rows past 16 are steep: drafts lose
+    ctl = SpeculationController(cost, ControllerConfig(detach_after=0, detach_hopeless=3))
+    cands = [Candidate(i, chain_options(3)) for i in range(16)]
+    for _ in range(5):
+        assert ctl.choose(cands) == [PLAIN] * 16
+    assert not any(ctl.should_detach(i) for i in range(16))
+    cost.observe(16, [], 30.0)  # a plain step of 16 rows measured
+    for _ in range(3):
+        assert ctl.choose(cands) == [PLAIN] * 16
+    assert all(ctl.should_detach(i) for i in range(16))
+
+
+def test_the_price_of_speculating_follows_the_curves_later_correction():
+    """Speculative steps seen before any plain step of their size carry the host work every
+    step of that batch pays; once plain steps correct the curve for it, the price is what is
+    left (each step is kept whole and priced against the curve as it is when asked)."""
+    cost = StepCostModel({1: 10.0, 64: 100.0})
+    for _ in range(4):
+        cost.observe(48, [], 1.5 * cost._base(48) + 3.0, speculating=16)  # 1.5x the bare forward
+    assert cost.spec_overhead_ms(16) == pytest.approx(0.5 * cost._base(48) + 3.0)
+    cost.observe(16, [], 1.5 * cost._base(16))  # a plain step of 16 rows: the host's 1.5x too
+    assert cost.spec_overhead_ms(16) == pytest.approx(3.0)
+    assert cost.as_dict()["spec_overhead_ms"] == {"16": pytest.approx(3.0)}
+
+
 def test_the_price_of_speculating_ignores_a_first_step_and_stray_stalls():
     """The first speculative step of a bucket pays one-time costs and is skipped; after that
     the median of the recent steps: one stalled step does not price speculation out."""
@@ -334,6 +362,25 @@ def test_the_price_of_speculating_ignores_a_first_step_and_stray_stalls():
     for _ in range(8):  # the price really rose: the window follows it
         cost.observe(9, [], cost.step_ms(9) + 5.0, speculating=1)
     assert cost.spec_overhead_ms(1) == pytest.approx(5.0)
+
+
+def test_a_bucket_is_priced_from_three_steps_not_from_one_slow_one():
+    """The second speculative step of a new batch size may still pay warm-up: alone it would
+    price speculation out for good (the batch detaches before another step is measured), so a
+    bucket is priced only from the median of three steps, and until then from the line through
+    the other buckets (here one bucket: flat above it)."""
+    cost = StepCostModel({1: 10.0, 64: 20.0})
+    for _ in range(4):
+        cost.observe(2, [], cost.step_ms(2) + 4.0, speculating=1)
+    cost.observe(40, [], cost.step_ms(40) * 2, speculating=16)  # the first: skipped
+    cost.observe(40, [], cost.step_ms(40) * 2, speculating=16)  # warm-up still: one step only
+    assert cost.spec_overhead_ms(16) == pytest.approx(4.0)
+    ctl = SpeculationController(cost, ControllerConfig(min_gain=1.0))
+    ctl.population.rates = [0.8, 0.7, 0.6]
+    assert ctl.choose([Candidate(i, chain_options(3)) for i in range(16)])[0].depth > 0
+    for _ in range(2):
+        cost.observe(40, [], cost.step_ms(40) + 9.0, speculating=16)
+    assert cost.spec_overhead_ms(16) == pytest.approx(9.0)  # the median of the three
 
 
 def test_a_prompts_catch_up_is_not_taken_for_the_price_of_speculating():
@@ -398,17 +445,25 @@ def test_a_drafter_level_is_priced_from_the_measured_forward_not_the_corrected_s
 
 def test_a_rows_bucket_not_seen_yet_borrows_the_nearest_seen_correction():
     """Plain steps of 1 row observed at 1.5x the bare forward (the host's work around it):
-    8 rows, never observed, are priced 1.5x too rather than at the bare forward, and learn
-    from there; the nearest bucket wins, the lower on a tie."""
-    cost = StepCostModel({1: 10.0, 64: 100.0}, alpha=0.5)
-    for _ in range(30):
+    8 rows, never observed, are priced 1.5x too rather than at the bare forward; the bucket's
+    own first steps then weigh as their mean (1, 1/2, ...) until that falls to alpha. The
+    nearest bucket wins, the lower on a tie."""
+    cost = StepCostModel({1: 10.0, 64: 100.0}, alpha=0.1)
+    for _ in range(60):
         cost.observe(1, [], 15.0)
     assert cost.step_ms(1) == pytest.approx(15.0, rel=1e-3)
     assert cost.step_ms(8) == pytest.approx(1.5 * cost._base(8), rel=1e-3)
-    cost.observe(8, [], cost._base(8))  # as the bare forward once: halfway from 1.5
-    assert cost.step_ms(8) == pytest.approx(1.25 * cost._base(8), rel=1e-3)
+    assert not cost.plain_measured(8) and cost.plain_measured(1)
+    cost.observe(8, [], 2 * cost._base(8))  # its own first step: taken whole
+    assert cost.step_ms(8) == pytest.approx(2 * cost._base(8), rel=1e-3) and cost.plain_measured(9)
+    cost.observe(8, [], cost._base(8))  # the second: the mean of the two
+    assert cost.step_ms(8) == pytest.approx(1.5 * cost._base(8), rel=1e-3)
+    for _ in range(30):  # then an average moving alpha a step: a stall moves it by alpha only
+        cost.observe(8, [], 1.5 * cost._base(8))
+    cost.observe(8, [], 3.5 * cost._base(8))
+    assert cost.step_ms(8) == pytest.approx(1.7 * cost._base(8), rel=1e-3)
     cost.correction[6] = 2.0  # 32-63 rows
-    assert cost._correction(5) == pytest.approx(1.25) and cost._correction(7) == 2.0
+    assert cost._correction(5) == pytest.approx(1.7) and cost._correction(7) == 2.0
     assert StepCostModel({1: 10.0}).step_ms(1) == 10.0  # nothing observed: the curve
 
 
@@ -416,10 +471,10 @@ def test_tree_steps_and_chain_steps_learn_their_own_price():
     """EAGLE: a step with a tree pays its expansion and walk, a chains-only step an MTP step's
     work; each kind is learned apart, and a kind not seen yet is free (so it gets tried)."""
     cost = StepCostModel({1: 10.0, 16: 40.0})
-    for _ in range(3):
+    for _ in range(4):  # the first skipped, then the three a price needs
         cost.observe(2, [], 14.0, speculating=1)  # chains: 2 ms over the curve's 12 at 2 rows
     assert cost.spec_overhead_ms(1) > 0 and cost.spec_overhead_ms(1, tree=True) == 0.0
-    for _ in range(3):
+    for _ in range(4):
         cost.observe(9, [], 35.0, speculating=1, tree=True)
     chain, tree = cost.spec_overhead_ms(1), cost.spec_overhead_ms(1, tree=True)
     assert chain == pytest.approx(2.0) and tree == pytest.approx(35.0 - cost.step_ms(9))
