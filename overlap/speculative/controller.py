@@ -118,6 +118,10 @@ class CostModel(Protocol):
     def observe(self, rows: int, drafter_rows: list[int], ms: float, speculating: int = 0,
                 catch_up_rows: int = 0, tree: bool = False) -> None: ...
 
+    # Whether a plain step over `rows` rows (its rows bucket) has been timed: a batch is ruled
+    # out for speculation only against a measured plain step.
+    def plain_measured(self, rows: int) -> bool: ...
+
 
 def non_decreasing(values: list[float]) -> list[float]:
     """The least-squares non-decreasing fit of `values` (pool adjacent violators): a run
@@ -139,8 +143,9 @@ class StepCostModel:
 
     Online correction: each observed plain step (its rows and its wall time) updates an
     exponential average of observed / predicted for the rows bucket it fell in (buckets by
-    powers of two; a bucket's first steps as their plain mean), so a curve measured under other conditions (another context length, a
-    busier machine) bends toward what the server actually sees. A correction per bucket, not
+    powers of two; a bucket's first steps as their plain mean), so a curve measured under
+    other conditions (another context length, a busier machine) bends toward what the server
+    actually sees. A correction per bucket, not
     one scale, because one scale never changes a decision (the rate's argmax is scale-free):
     only the curve's shape does.
 
@@ -179,8 +184,9 @@ class StepCostModel:
         self.plain_steps = Counter()  # bucket → plain steps observed in it
         # (bucket of speculating sequences, tree step?) → its speculative steps: (ms, rows,
         # drafter levels, sequences drafting), the last `window` of them, priced against the
-        # curve when asked; the first one is skipped (_Overhead). Tree steps apart: a tree's expansion and walk cost more than a chain's,
-        # and one median over both priced EAGLE's trees at its chains' price (session 9).
+        # curve when asked; the first one is skipped (_Overhead). Tree steps apart: a tree's
+        # expansion and walk cost more than a chain's, and one median over both priced EAGLE's
+        # trees at its chains' price (session 9).
         self.overhead: dict[tuple[int, bool], _Overhead] = {}
         self._prices: dict[int, float] = {}  # id(_Overhead) → its price on the current curve
 
@@ -353,10 +359,11 @@ def _fixed_plus_per_sequence(points: list[tuple[float, float]]) -> tuple[float, 
 @dataclass
 class _Overhead:
     """The price of speculating in one bucket: the median of its last `window` speculative
-    steps' excess ms over the curve as it is corrected now (and of their drafting sequences). The median, not an average, and the
-    bucket's first step skipped: the first speculative step of a kind pays one-time costs (a
-    first EAGLE tree step was measured at 57 ms against 14 predicted), and one such step,
-    averaged in, priced trees out for good: the controller never drafted again to unlearn it.
+    steps' excess ms over the curve as it is corrected now (and of their drafting sequences).
+    The median, not an average, and the bucket's first step skipped: the first speculative
+    step of a kind pays one-time costs (a first EAGLE tree step was measured at 57 ms against
+    14 predicted), and one such step, averaged in, priced trees out for good: the controller
+    never drafted again to unlearn it.
     And no price before `min_steps` steps are in: a median of one is that one step. At
     concurrency 16 (mtp:3) the second speculative step of the batch still paid warm-up (91 ms
     against 43 predicted); priced from it alone, speculation for 16 sequences cost as much as
@@ -631,8 +638,7 @@ class SpeculationController:
         # has run, its price is the curve's guess (at concurrency 16 the bare forward, 26 ms
         # where the step took 45) and speculation was ruled out, and every sequence detached,
         # on it (session 27).
-        measured = getattr(self.cost, "plain_measured", None)
-        if measured is not None and not measured(batch + other_rows):
+        if not self.cost.plain_measured(batch + other_rows):
             return False
         branch_rows, branch_tokens = self._branch(None)
         plain = (batch + other_tokens) / self._time(batch + other_rows, [], 0) * self.config.min_gain

@@ -27,6 +27,9 @@ class Scripted:
     def observe(self, rows, drafter_rows, ms, speculating=0, catch_up_rows=0, tree=False):
         self.seen.append((rows, ms))
 
+    def plain_measured(self, rows):
+        return True  # the script is the plain steps' price
+
 
 def controller(cost, **kw):
     return SpeculationController(cost, ControllerConfig(**kw))
