@@ -147,7 +147,7 @@ class StepCostModel:
     other conditions (another context length, a busier machine) bends toward what the server
     actually sees. A correction per bucket, not
     one scale, because one scale never changes a decision (the rate's argmax is scale-free):
-    only the curve's shape does.
+    only the curve's shape does. The corrected curve is kept non-decreasing (`_below`).
 
     A speculative step's excess over that prediction (rows plus the drafter's levels, as the
     curve is corrected when the price is asked: the step is kept whole) is the price of
@@ -189,6 +189,7 @@ class StepCostModel:
         # trees at its chains' price (session 9).
         self.overhead: dict[tuple[int, bool], _Overhead] = {}
         self._prices: dict[int, float] = {}  # id(_Overhead) → its price on the current curve
+        self._floors: dict[int, float] = {}  # bucket → _below(bucket) on the current corrections
 
     @classmethod
     def from_report(cls, report: dict, drafter: str | None = None, batch=None) -> "StepCostModel":
@@ -233,7 +234,22 @@ class StepCostModel:
         return m0 + (m1 - m0) * (rows - r0) / (r1 - r0)
 
     def step_ms(self, rows: int) -> float:
-        return self._base(rows) * self._correction(self._bucket(rows))
+        bucket = self._bucket(rows)
+        return max(self._base(rows) * self._correction(bucket), self._below(bucket))
+
+    def _below(self, bucket: int) -> float:
+        """The most a step of fewer rows (a lower bucket, at its top row) is predicted to cost:
+        the corrected curve is kept non-decreasing, as the bare one is. Each bucket's
+        correction is learned on its own steps (at batch 1 the 16-31-row bucket's from the
+        warm-up's prompt chunks, 1.16, the 8-15-row one's from short chunks, 1.56), so a verify
+        step over 16 rows was predicted at 34 ms where one over 8 was at 43: a tree with its
+        lookup branch took 49, and the 15 ms of excess, charged to the trees' price of
+        speculating, priced the tree 4 ms over chains that cost 3 less, and the controller
+        verified chains on 80% of the steps where the tree runs 3% faster (session 28)."""
+        if bucket not in self._floors:
+            self._floors[bucket] = max((self._base((1 << b) - 1) * self._correction(b) for b in range(1, bucket)),
+                                       default=0.0)
+        return self._floors[bucket]
 
     def _correction(self, bucket: int) -> float:
         """The bucket's correction; one not observed yet borrows the nearest observed bucket's
@@ -321,6 +337,7 @@ class StepCostModel:
         # to reach its 1.75, and was detached meanwhile (session 27).
         self.plain_steps[b] += 1
         self.correction[b] = old + max(self.alpha, 1.0 / self.plain_steps[b]) * (ratio - old)
+        self._floors.clear()
 
     def plain_measured(self, rows: int) -> bool:
         """Whether a plain step in the rows bucket of `rows` has been observed."""

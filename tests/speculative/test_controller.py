@@ -516,6 +516,25 @@ def test_a_dip_in_the_measured_curve_is_smoothed_away():
     assert cost.step_ms(16) == 30.6
 
 
+def test_the_corrected_curve_never_falls_with_more_rows():
+    """Buckets learn their corrections apart (at batch 1, 16-31 rows from the warm-up's prompt
+    chunks at 1.16, 8-15 rows from short ones at 1.56): a step over 16 rows is predicted at
+    no less than one over 15, so a verify step there is not priced below a smaller one and its
+    excess is not charged to its kind's price of speculating."""
+    cost = StepCostModel({1: 20.0, 8: 26.0, 16: 28.0, 32: 35.0}, alpha=1.0)
+    cost.observe(8, [], 26.0 * 1.56)
+    cost.observe(20, [], cost._base(20) * 1.16)
+    ms = [cost.step_ms(r) for r in range(1, 40)]
+    assert all(b >= a for a, b in zip(ms, ms[1:]))
+    assert cost.step_ms(16) == pytest.approx(cost._base(15) * 1.56)  # the floor of the bucket below
+    assert cost.step_ms(31) == pytest.approx(cost.step_ms(16))  # flat until its own catches up
+    assert cost.step_ms(40) == pytest.approx(cost._base(40) * 1.16)  # then its own correction
+    for _ in range(4):  # a tree step over 16 rows taking what one over 15 is predicted at plus 3
+        cost.observe(16, [], cost.step_ms(15) + 3.0, speculating=1, tree=True)
+    assert cost.spec_overhead_ms(1, tree=True) == pytest.approx(3.0)
+    cost.observe(8, [], 26.0)  # the floor follows the lower bucket's new correction
+    assert cost.step_ms(16) == pytest.approx(max(cost._base(15), cost._base(16) * 1.16))
+
 def test_a_lookup_branchs_copied_tokens_are_counted():
     """A branch that copies 6 tokens every step (the first also the chain's) against a fixed
     price of speculating that one draft does not pay: counted, the branch's tokens make
