@@ -334,7 +334,8 @@ class Scheduler:
             levels = [sum(1 for d in depths.values() if d >= j) for j in range(2, max(depths.values(), default=0) + 1)]
             self.controller.observe_step(rows, levels, self.clock() - start,
                                          speculating=sum(1 for d in depths.values() if d),
-                                         catch_up_rows=self._prompt_catch_up, tree=bool(trees))
+                                         catch_up_rows=self._prompt_catch_up, tree=bool(trees),
+                                         prompt_rows=sum(len(w.token_ids) for w in plan.seqs if not w.is_decode))
         # The drafter catches up on this step's prompt chunks right after it, ahead of the
         # next step on the device: the next step's time carries them.
         self._prompt_catch_up = sum(len(w.token_ids) for w in plan.seqs if w.draft and not w.is_decode)

@@ -114,9 +114,10 @@ class CostModel(Protocol):
     def spec_overhead_ms(self, speculating: int, tree: bool = False) -> float: ...
 
     # catch_up_rows: prompt rows the drafter caught up on at the head of this step (queued
-    # behind the previous step, so its time lands in this one's).
+    # behind the previous step, so its time lands in this one's); prompt_rows: the step's rows
+    # that are prompt chunks.
     def observe(self, rows: int, drafter_rows: list[int], ms: float, speculating: int = 0,
-                catch_up_rows: int = 0, tree: bool = False) -> None: ...
+                catch_up_rows: int = 0, tree: bool = False, prompt_rows: int = 0) -> None: ...
 
     # Whether a plain step over `rows` rows (its rows bucket) has been timed: a batch is ruled
     # out for speculation only against a measured plain step.
@@ -308,7 +309,7 @@ class StepCostModel:
         return self._prices[key]
 
     def observe(self, rows: int, drafter_rows: list[int], ms: float, speculating: int = 0,
-                catch_up_rows: int = 0, tree: bool = False) -> None:
+                catch_up_rows: int = 0, tree: bool = False, prompt_rows: int = 0) -> None:
         if ms <= 0:
             return
         # The drafter's catch-up over the previous step's prompt rows ran on the device just
@@ -326,8 +327,17 @@ class StepCostModel:
             self.overhead.setdefault((self._bucket(speculating), tree), _Overhead()).add(
                 ms, rows, tuple(drafter_rows), speculating)
             return
+        # Only decode steps teach the curve: a step holding a prompt chunk pays for a request's
+        # start (its pages, prefix lookup, first sampling) beyond its rows. Taught by prompt
+        # chunks, the buckets a verify step falls in read 1.8-1.9 at batch 1 where decode steps
+        # read 1.16, and speculation, priced by its excess over that and never below 0, was
+        # taken for 1.6x a plain step where it costs 1.2x (the controller chose no drafts on 263
+        # steps, the fixed tree ran 14% faster); at concurrency 16 the 64-127-row bucket read
+        # 1.35 from prompt chunks against the decode buckets' 1.16-1.18 and detached 15 of 20
+        # sequences as hopeless (session 28). A bucket no decode step reached borrows the
+        # nearest one's correction.
         predicted = self._base(rows)
-        if predicted <= 0:
+        if predicted <= 0 or prompt_rows:
             return
         b = self._bucket(rows)
         ratio = min(4.0, max(0.25, ms / predicted))  # one stalled step must not rewrite the curve
@@ -737,11 +747,11 @@ class SpeculationController:
             (self.tree_population if tree else self.population).observe(num_drafts, num_accepted)
 
     def observe_step(self, rows: int, drafter_rows: list[int], seconds: float, speculating: int = 0,
-                     catch_up_rows: int = 0, tree: bool = False) -> None:
+                     catch_up_rows: int = 0, tree: bool = False, prompt_rows: int = 0) -> None:
         """A step's wall time; speculating: how many of its sequences drafted; catch_up_rows:
         prompt rows of the previous step that the drafter caught up on ahead of this one;
-        tree: whether one of them verified a tree."""
-        self.cost.observe(rows, drafter_rows, seconds * 1e3, speculating, catch_up_rows, tree)
+        tree: whether one of them verified a tree; prompt_rows: its rows that are prompt chunks."""
+        self.cost.observe(rows, drafter_rows, seconds * 1e3, speculating, catch_up_rows, tree, prompt_rows)
 
     def forget(self, key: Hashable) -> None:
         self.acceptance.pop(key, None)

@@ -144,7 +144,7 @@ class FixedChoices:
 
     def __init__(self, pick):
         self.pick, self.asked, self.observed, self.steps, self.forgotten = pick, [], [], [], []
-        self.catch_ups, self.branches = [], []
+        self.catch_ups, self.branches, self.prompt_rows = [], [], []
 
     def choose(self, candidates, other_rows=0, other_tokens=0):
         self.asked.append(([c.options for c in candidates], other_rows, other_tokens))
@@ -154,9 +154,11 @@ class FixedChoices:
         self.observed.append((key, num_drafts, num_accepted) + (("tree",) if tree else ()))
         self.branches.append((depth, branch_rows))
 
-    def observe_step(self, rows, drafter_rows, seconds, speculating=0, catch_up_rows=0, tree=False):
+    def observe_step(self, rows, drafter_rows, seconds, speculating=0, catch_up_rows=0, tree=False,
+                     prompt_rows=0):
         self.steps.append((rows, drafter_rows, seconds))
         self.catch_ups.append(catch_up_rows)
+        self.prompt_rows.append(prompt_rows)
 
     def should_detach(self, key):
         return False
@@ -194,6 +196,8 @@ def test_a_batch_with_a_prefill_chunk_still_speculates_for_its_decodes():
     assert ctl.catch_ups == [0, 3]
     fake_run(s)
     assert ctl.catch_ups == [0, 3, 10]
+    # Steps holding a prompt chunk say how many of their rows it was: a's prefill, then b's.
+    assert ctl.prompt_rows == [3, 10, 0]
 
 
 def test_the_step_is_priced_by_the_rows_it_verified():

@@ -24,7 +24,7 @@ class Scripted:
     def spec_overhead_ms(self, speculating, tree=False):
         return self.overhead if speculating else 0.0
 
-    def observe(self, rows, drafter_rows, ms, speculating=0, catch_up_rows=0, tree=False):
+    def observe(self, rows, drafter_rows, ms, speculating=0, catch_up_rows=0, tree=False, prompt_rows=0):
         self.seen.append((rows, ms))
 
     def plain_measured(self, rows):
@@ -469,6 +469,21 @@ def test_a_rows_bucket_not_seen_yet_borrows_the_nearest_seen_correction():
     assert cost._correction(5) == pytest.approx(1.7) and cost._correction(7) == 2.0
     assert StepCostModel({1: 10.0}).step_ms(1) == 10.0  # nothing observed: the curve
 
+
+def test_only_decode_steps_teach_the_curve():
+    """A step holding a prompt chunk pays for a request's start beyond its rows: at batch 1 it
+    taught the buckets a verify step falls in 1.8-1.9 where decode steps read 1.16. It teaches
+    no correction and counts as no measured plain step; its bucket borrows the decode steps'."""
+    cost = StepCostModel({1: 10.0, 64: 100.0}, alpha=0.1)
+    for _ in range(20):
+        cost.observe(1, [], 11.6)
+        cost.observe(8, [], 1.9 * cost._base(8), prompt_rows=7)
+    assert cost.step_ms(8) == pytest.approx(1.16 * cost._base(8), rel=1e-3)
+    assert not cost.plain_measured(8) and cost.plain_measured(1)
+    # A speculative step beside a prompt chunk still prices speculating, as it did.
+    for _ in range(4):
+        cost.observe(8, [], cost.step_ms(8) + 2.0, speculating=1, prompt_rows=4)
+    assert cost.spec_overhead_ms(1) == pytest.approx(2.0)
 
 def test_tree_steps_and_chain_steps_learn_their_own_price():
     """EAGLE: a step with a tree pays its expansion and walk, a chains-only step an MTP step's
