@@ -485,6 +485,21 @@ def test_only_decode_steps_teach_the_curve():
         cost.observe(8, [], cost.step_ms(8) + 2.0, speculating=1, prompt_rows=4)
     assert cost.spec_overhead_ms(1) == pytest.approx(2.0)
 
+def test_a_kind_cheaper_than_the_curve_predicts_is_priced_below_it():
+    """The 1-row decode step's correction scales the forward's cost of more rows, so at batch 1
+    the curve predicts a verify step above what it takes: each kind's price goes below zero
+    by its own excess (chains more than trees here), bounded at half the prediction a step."""
+    cost = StepCostModel({1: 10.0, 16: 25.0}, alpha=1.0)
+    cost.observe(1, [], 20.0)  # correction 2
+    for _ in range(4):
+        cost.observe(4, [], cost.step_ms(4) - 5.0, speculating=1)
+        cost.observe(8, [], cost.step_ms(8) - 2.0, speculating=1, tree=True)
+    assert cost.spec_overhead_ms(1) == pytest.approx(-5.0)
+    assert cost.spec_overhead_ms(1, tree=True) == pytest.approx(-2.0)
+    for _ in range(8):  # steps that took nothing (a clock glitch) move it by half a prediction
+        cost.observe(4, [], 1e-6, speculating=1)
+    assert cost.spec_overhead_ms(1) == pytest.approx(-0.5 * cost.step_ms(4))
+
 def test_tree_steps_and_chain_steps_learn_their_own_price():
     """EAGLE: a step with a tree pays its expansion and walk, a chains-only step an MTP step's
     work; each kind is learned apart, and a kind not seen yet is free (so it gets tried)."""
