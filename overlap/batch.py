@@ -60,6 +60,9 @@ class SeqOutput(msgspec.Struct, array_like=True, frozen=True):
     num_drafts: int = 0  # draft tokens proposed this step (a tree, a branch: the deepest path)
     num_accepted: int = 0  # of which the target accepted
     num_rows: int = 0  # draft rows verified: a chain's k, a tree's nodes, plus a lookup branch's
+    # A tree's accepted drafts that lie on its top path (the first-tried child at each level):
+    # what a chain along that path would have accepted. -1: the step verified no tree for it.
+    top_accepted: int = -1
 
 
 class StepOutput(msgspec.Struct, array_like=True, frozen=True):

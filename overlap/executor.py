@@ -43,7 +43,7 @@ from overlap.sampling import SamplingTensors, probabilities, row_argmax, sample
 from overlap.speculative.base import DraftLayout, DraftRequest, FinishedStep, Proposal, Proposer, TreeLayout, Verified
 from overlap.speculative.build import build_proposer
 from overlap.speculative.rejection import verify_chain, verify_greedy
-from overlap.speculative.tree import verify_tree, verify_tree_greedy
+from overlap.speculative.tree import top_path_accepted, verify_tree, verify_tree_greedy
 from overlap.step_timing import StepTiming, TimingTotals
 
 
@@ -82,6 +82,7 @@ class TreeBatch:
     depth: int
     width: int  # children per node at most
     moved_rows: torch.Tensor  # [S, D] i64 flat rows the accepted path's depth 1..D moves to
+    top_nodes: torch.Tensor  # [S, D] i64 each tree's top path by depth (node ids; 0 past it or none)
 
 
 @dataclass
@@ -91,11 +92,14 @@ class LaunchedStep:
     num_accepted: torch.Tensor | None  # [S] i64 on speculative steps
     num_drafts: list[int]
     hidden: torch.Tensor | None = None  # [T, H] the target's hidden states (when the layout keeps them)
+    top_accepted: torch.Tensor | None = None  # [S] i64 on tree steps: accepted drafts on the top path
 
     def device_results(self) -> tuple[torch.Tensor, ...]:
         if self.num_accepted is None:
             return (self.tokens,)
-        return self.tokens, self.num_accepted
+        if self.top_accepted is None:
+            return self.tokens, self.num_accepted
+        return self.tokens, self.num_accepted, self.top_accepted
 
 
 @dataclass
@@ -361,7 +365,7 @@ class Executor:
         parents, and its slots and moves past its rows and depth point at its root."""
         depth = tree.depth
         closed = list(range(1, n + 1)), [0] * n
-        parents, order, slots, moved_rows = [], [], [], []
+        parents, order, slots, moved_rows, top_nodes = [], [], [], [], []
         for j, (s, k) in enumerate(zip(sampled, ks)):
             row = starts[j]
             root_slot = slot_mapping(s.page_table, s.end_pos - 1, s.end_pos, self.kv.page_size)
@@ -370,6 +374,7 @@ class Executor:
                 order.append(closed[1])
                 slots.append(root_slot * (n + 1))
                 moved_rows.append([row] * depth)
+                top_nodes.append([0] * depth)
                 continue
             own_depth = max(tree_depths[j])
             parents.append(tree.parents[j] + closed[0][k:])
@@ -378,12 +383,15 @@ class Executor:
             slots.append(slot_mapping(s.page_table, s.start_pos, s.start_pos + 1 + k, self.kv.page_size)
                          + root_slot * (n - k))
             moved_rows.append(list(range(row + 1, row + 1 + own_depth)) + [row] * (depth - own_depth))
+            top = (tree.top_path[j] or []) if tree.top_path is not None else []
+            top_nodes.append(top[:depth] + [0] * (depth - len(top[:depth])))
         return {"tree_parents": (parents, torch.long), "tree_order": (order, torch.long),
-                "tree_slots": (slots, torch.long), "tree_moved_rows": (moved_rows, torch.long)}
+                "tree_slots": (slots, torch.long), "tree_moved_rows": (moved_rows, torch.long),
+                "tree_top_nodes": (top_nodes, torch.long)}
 
     def _tree_batch(self, index: dict[str, torch.Tensor], tree: TreeLayout) -> TreeBatch:
         return TreeBatch(index.pop("tree_slots"), index.pop("tree_parents"), index.pop("tree_order"),
-                         tree.depth, tree.max_children, index.pop("tree_moved_rows"))
+                         tree.depth, tree.max_children, index.pop("tree_moved_rows"), index.pop("tree_top_nodes"))
 
     def _on_drafter_stream(self, fn) -> None:
         # A model drafter's state (KV, carried logits) is only touched by work on the forward
@@ -405,7 +413,7 @@ class Executor:
         """Fill `into`, THEN start the copy of the produced ids: the host reads `into` as soon
         as the copy lands, possibly while later work of this launch still runs."""
         into.tokens, into.num_accepted, into.num_drafts = result.tokens, result.num_accepted, result.num_drafts
-        into.hidden = result.hidden
+        into.hidden, into.top_accepted = result.hidden, result.top_accepted
         if copy is not None:
             self.streams.start_copy(copy, into.device_results())
 
@@ -438,15 +446,17 @@ class Executor:
         # Stage 3: one target pass over every row (q_len = k+1 per chain, N+1 per tree).
         hidden, logits = self._target_forward(step, ids)
         # Stage 4 (recovered / bonus token) happens inside verification.
+        top_accepted = None
         if step.tree is None:
             tokens, accepted = self._verify_chains(step, logits, proposal)
             num_drafts = list(ks)
         else:
-            tokens, accepted, hidden = self._verify_trees(step, logits, hidden, proposal.tokens)
+            tokens, accepted, hidden, top_accepted = self._verify_trees(step, logits, hidden, proposal.tokens)
             # A tree reports its depth: the most drafts one path of it can have accepted (a
             # chain along its top path: its length).
             num_drafts = [max(d) if k else 0 for k, d in zip(ks, layout.depths)]
-        launched = LaunchedStep(step, tokens, accepted, num_drafts, hidden if layout.keep_hidden else None)
+        launched = LaunchedStep(step, tokens, accepted, num_drafts, hidden if layout.keep_hidden else None,
+                                top_accepted)
         self._publish(into, launched, copy)  # the host waits only for this copy
         if layout.catches_up_in_launch:
             # The drafter's catch-up, queued right here behind verification with the verify
@@ -471,11 +481,13 @@ class Executor:
         p = probabilities(padded, st.repeat_rows(width + 1)).view(b, width + 1, -1)
         return verify_chain(p, proposal.probs, proposal.tokens, num_drafts, st.seed, index["end_pos"])
 
-    def _verify_trees(self, step: PreparedStep, logits: torch.Tensor, hidden: torch.Tensor,
-                      nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _verify_trees(self, step: PreparedStep, logits: torch.Tensor, hidden: torch.Tensor, nodes: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Walk the trees (tree.py), then move each accepted path's KV and hidden states into
         place, as a chain's would be. logits [rows, V] f32, hidden [T, H], nodes [S, N] i64 →
-        (tokens [S, D+1] i64, num_accepted [S] i64, the moved hidden states [T, H])."""
+        (tokens [S, D+1] i64, num_accepted [S] i64, the moved hidden states [T, H], the accepted
+        drafts on each tree's top path [S] i64: what its chain alone would have accepted, for
+        the controller, which learns chains and trees on the same steps from it)."""
         st, tb, index = step.sampling, step.tree, step.index
         b, n, depth, dev = len(step.sampled), step.width, tb.depth, self.device
         if st.all_greedy:
@@ -486,6 +498,7 @@ class Executor:
             best[index["padded_all"]] = row_argmax(logits)
             tokens, accepted, path = verify_tree_greedy(best.view(b, n + 1), nodes, tb.parents, tb.order,
                                                         depth, tb.width)
+            top_accepted = top_path_accepted(tb.top_nodes, path, accepted, nodes, best.view(b, n + 1))
         else:
             # p after each tree's root and nodes (and the one row of a plain sequence), [S, N+1].
             padded = torch.zeros(b * (n + 1), logits.shape[-1], device=dev)
@@ -493,6 +506,7 @@ class Executor:
             p = probabilities(padded, st.repeat_rows(n + 1)).view(b, n + 1, -1)
             tokens, accepted, path = verify_tree(p, nodes, tb.parents, tb.order, depth, tb.width, st.seed,
                                                  index["end_pos"])
+            top_accepted = top_path_accepted(tb.top_nodes, path, accepted)
         # Compaction: the node at depth i of the accepted path moves to slot n + i (KV) and
         # to row i of the sequence's block (the hidden states the drafter's catch-up reads).
         keep = torch.arange(depth, device=dev)[None, :] < accepted[:, None]  # [S, D]
@@ -503,7 +517,7 @@ class Executor:
         src_rows = torch.where(keep, starts[:, None] + path, tb.moved_rows)
         moved = hidden.clone()
         moved[tb.moved_rows.reshape(-1)] = hidden[src_rows.reshape(-1)]
-        return tokens, accepted, moved
+        return tokens, accepted, moved, top_accepted
 
     def _target_forward(self, step: PreparedStep, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The target forward → (hidden [T, H], logits [len(logits_rows), V] f32), through a
@@ -521,6 +535,7 @@ class Executor:
         with host_io():  # the documented device→host read
             tokens = host[0].tolist()
             accepted = host[1].tolist() if launched.num_accepted is not None else None
+            top = host[2].tolist() if len(host) > 2 else None
         outputs: dict[int, SeqOutput] = {}
         for i, s in enumerate(launched.prepared.sampled):
             if accepted is None:
@@ -528,7 +543,7 @@ class Executor:
             else:
                 a = accepted[i]
                 outputs[s.seq_id] = SeqOutput(s.seq_id, tokens[i][: a + 1], launched.num_drafts[i], a,
-                                              launched.prepared.spec_ks[i])
+                                              launched.prepared.spec_ks[i], top[i] if top is not None else -1)
         plan = launched.prepared.plan
         return StepOutput(plan.step_id, [outputs.get(s.seq_id, SeqOutput(s.seq_id, [])) for s in plan.seqs])
 

@@ -325,7 +325,8 @@ class Scheduler:
             # chose (None where the step reserved no branch rows for the sequence).
             branch_rows = max(o.num_rows - w.num_spec_tokens, 0) if w is not None and w.lookup_rows else None
             self.controller.observe(o.seq_id, o.num_drafts, o.num_accepted, tree=o.seq_id in trees,
-                                    depth=depths.get(o.seq_id, 0), branch_rows=branch_rows)
+                                    depth=depths.get(o.seq_id, 0), branch_rows=branch_rows,
+                                    top_accepted=o.top_accepted)
         start = self._scheduled_at.pop(plan.step_id, None)
         if start is not None:
             # The rows the target verified: what the drafter laid out (a tree's nodes, a lookup

@@ -53,6 +53,10 @@ class TreeLayout:
     masks: list[torch.Tensor | None]  # [N+1, N+1] bool ancestor mask over [root, nodes]
     depth: int  # deepest node of any tree
     max_children: int  # children per node at most
+    # Each tree's top path, the drafter's own chain within it (node ids, root excluded), where
+    # the drafter has one: the controller learns chains and trees on the same steps from what
+    # that path alone accepted (SeqOutput.top_accepted). None: not reported.
+    top_path: list[list[int] | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -516,6 +516,29 @@ class BranchYield:
         self.tokens += self.alpha * (extra_tokens - self.tokens)
 
 
+@dataclass
+class TreeGain:
+    """What a sequence's tree accepts beyond its top path (the chain it contains): drafts
+    accepted off that path a step, an exponential average over its tree steps; `base`
+    (every request's) until it has one. Never below 0: a tree holds its chain."""
+
+    alpha: float
+    value: float = 0.0
+    steps: int = 0
+    base: "TreeGain | None" = None
+
+    def expected(self) -> float:
+        if not self.steps and self.base is not None:
+            return self.base.expected()
+        return self.value
+
+    def observe(self, gain: float) -> None:
+        if not self.steps:
+            self.value = gain if self.base is None or not self.base.steps else self.base.expected()
+        self.steps += 1
+        self.value += self.alpha * (max(gain, 0.0) - self.value)
+
+
 @dataclass(frozen=True)
 class ControllerConfig:
     enabled: bool = True  # off: every sequence verifies its cap (the fixed-k behaviour)
@@ -549,6 +572,14 @@ class SpeculationController:
         # averages, per sequence and over the population, so one never skews the other.
         self.tree_acceptance: dict[Hashable, Acceptance] = {}
         self.tree_population = Acceptance(config.prior, config.population_alpha)
+        # Where the verifier reports what a tree's top path accepted on its own (the chain it
+        # contains), a tree is priced as that chain plus its gain: the drafts accepted off the
+        # top path. Chains and trees are then learned on the same steps; learned apart, the
+        # chains' acceptance came from the easy stretches where chains were chosen and the
+        # trees' from the rest (position 3: 0.75 against 0.50), and at batch 1 the controller
+        # verified chains on 40-80% of the steps where the fixed tree ran faster (session 27).
+        self.tree_gain: dict[Hashable, TreeGain] = {}
+        self.tree_gain_population = TreeGain(config.population_alpha)
         # A lookup branch's yield, per sequence and over every request: nothing until a step
         # with a branch is observed (a drafter without one never adds any).
         self.branch: dict[Hashable, BranchYield] = {}
@@ -574,11 +605,24 @@ class SpeculationController:
             return self.branch_population.expected()
         return self.branch[key].expected()
 
+    def _drafted(self, key: Hashable | None, depth: int, tree: bool) -> float:
+        """Expected tokens from a step's drafts alone (1 + those accepted) where the sequence
+        (None: an average request) drafts a chain `depth` deep or, tree, its tree: the chain
+        along its top path plus the tree's gain once a tree step reported its top path."""
+        if tree and self.tree_gain_population.steps:
+            if key is None:
+                return self.population.expected_tokens(depth) + self.tree_gain_population.expected()
+            gain = self.tree_gain.get(key, self.tree_gain_population)
+            return self._acc(key).expected_tokens(depth) + gain.expected()
+        if key is None:
+            return (self.tree_population if tree else self.population).expected_tokens(depth)
+        return self._acc(key, tree).expected_tokens(depth)
+
     def _tokens(self, key: Hashable, option: SpecOption) -> float:
         """Expected tokens of a step where the sequence takes `option`."""
         if not option.depth:
             return 1.0
-        return self._acc(key, option.tree).expected_tokens(option.depth) + self._branch(key)[1]
+        return self._drafted(key, option.depth, option.tree) + self._branch(key)[1]
 
     def _rows(self, key: Hashable, option: SpecOption) -> float:
         """Expected verify rows beyond the sequence's own token when it takes `option`."""
@@ -677,7 +721,7 @@ class SpeculationController:
         branch_rows, branch_tokens = self._branch(None)
         plain = (batch + other_tokens) / self._time(batch + other_rows, [], 0) * self.config.min_gain
         for option in options:
-            accepted = (self.tree_population if option.tree else self.population).expected_tokens(option.depth)
+            accepted = self._drafted(None, option.depth, option.tree)
             levels = [batch] * max(0, option.depth - 1)
             rows = other_rows + batch * (1 + option.rows + branch_rows)
             tokens = other_tokens + batch * (accepted + branch_tokens)
@@ -729,16 +773,17 @@ class SpeculationController:
     # -- feedback ----------------------------------------------------------------------------
 
     def observe(self, key: Hashable, num_drafts: int, num_accepted: int, tree: bool = False,
-                depth: int = 0, branch_rows: int | None = None) -> None:
+                depth: int = 0, branch_rows: int | None = None, top_accepted: int = -1) -> None:
         """A sequence's verified step (num_drafts: drafts proposed, or the deepest path: a tree's
         depth, or a lookup branch's length where it runs deeper). branch_rows: the rows its
         lookup branch verified beyond the `depth`-deep option it took (0: no lookup matched;
-        None: the step reserved no branch)."""
+        None: the step reserved no branch). top_accepted: on a tree, what its top path alone
+        accepted (-1: not reported)."""
         if num_drafts and branch_rows is not None and depth:
             # The branch's tokens: what the step produced beyond what the drafts' acceptance,
             # before this step, predicted for the option (positions the branch reached past
             # the option's depth are what that prediction leaves out).
-            extra = num_accepted + 1 - self._acc(key, tree).expected_tokens(depth)
+            extra = num_accepted + 1 - self._drafted(key, depth, tree)
             if key not in self.branch:
                 self.branch[key] = BranchYield(self.config.alpha, base=self.branch_population)
             self.branch[key].observe(branch_rows, extra)
@@ -752,6 +797,15 @@ class SpeculationController:
         if num_drafts:
             self._acc(key, tree).observe(num_drafts, num_accepted)
             (self.tree_population if tree else self.population).observe(num_drafts, num_accepted)
+        if num_drafts and tree and top_accepted >= 0:
+            # The chain it contains, verified on this step, and what the other branches added.
+            on_top = min(top_accepted, num_accepted)
+            self._acc(key).observe(num_drafts, on_top)
+            self.population.observe(num_drafts, on_top)
+            if key not in self.tree_gain:
+                self.tree_gain[key] = TreeGain(self.config.alpha, base=self.tree_gain_population)
+            self.tree_gain[key].observe(num_accepted - on_top)
+            self.tree_gain_population.observe(num_accepted - on_top)
 
     def observe_step(self, rows: int, drafter_rows: list[int], seconds: float, speculating: int = 0,
                      catch_up_rows: int = 0, tree: bool = False, prompt_rows: int = 0) -> None:
@@ -763,6 +817,7 @@ class SpeculationController:
     def forget(self, key: Hashable) -> None:
         self.acceptance.pop(key, None)
         self.tree_acceptance.pop(key, None)
+        self.tree_gain.pop(key, None)
         self.branch.pop(key, None)
         self.plain_streak.pop(key, None)
         self.hopeless_streak.pop(key, None)

@@ -53,6 +53,7 @@ class _VerifiedShape(NamedTuple):
     order: list[int]
     mask: torch.Tensor
     depths: list[int]
+    top_path: list[int]  # its nodes on the tree's top path (a chain: all)
 
 
 class EagleProposer(HeadProposer):
@@ -79,8 +80,10 @@ class EagleProposer(HeadProposer):
         # What a sequence granted g drafts verifies: the whole tree (g = its nodes), or a chain
         # of g drafts as a tree (node j's parent is node j - 1; a causal mask).
         self.verified_shapes = {c: _VerifiedShape(list(range(c)), [0] * c, tree_mask_from_parents(list(range(-1, c))),
-                                             list(range(1, c + 1))) for c in range(1, len(self.top_path) + 1)}
-        self.verified_shapes[self.num_nodes] = _VerifiedShape(parents, self.sibling_order, self.verify_mask, depths)
+                                             list(range(1, c + 1)), list(range(1, c + 1)))
+                                for c in range(1, len(self.top_path) + 1)}
+        self.verified_shapes[self.num_nodes] = _VerifiedShape(parents, self.sibling_order, self.verify_mask, depths,
+                                                              self.top_path)
         self._level_plans: dict[frozenset[int] | None, list[_Level]] = {}
         self.top_k = max(shape.ranks()) + 1  # tokens ranked per expanded node
 
@@ -106,7 +109,8 @@ class EagleProposer(HeadProposer):
         shapes = [self.verified_shapes.get(g) for g in granted]  # None: no drafts
         depth = max((max(sh.depths) for sh in shapes if sh), default=self.depth)
         tree = TreeLayout([sh and sh.parents for sh in shapes], [sh and sh.order for sh in shapes],
-                          [sh and sh.mask for sh in shapes], depth, self.tree.max_children())
+                          [sh and sh.mask for sh in shapes], depth, self.tree.max_children(),
+                          [sh and sh.top_path for sh in shapes])
         return DraftLayout(granted, self.num_nodes, [sh.depths if sh else [] for sh in shapes], tree,
                            keep_hidden=True)
 

@@ -85,6 +85,26 @@ class TreeShape:
         return max(counts.values())
 
 
+def top_path_accepted(top_nodes: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor,
+                      nodes: torch.Tensor | None = None, target_best: torch.Tensor | None = None) -> torch.Tensor:
+    """How many drafts a chain along each tree's top path would have accepted: [S] i64.
+    top_nodes [S, D] i64: the path's node ids by depth (0 past its end). Greedy (nodes [S, N]
+    and target_best [S, N+1] given): the leading depths whose node holds the target's choice
+    after its parent, exactly what the chain's verification accepts, whichever equal child the
+    walk took. Sampled: the leading depths where the accepted path (path [S, D], num_accepted
+    [S]) went through the top path's node."""
+    depth = top_nodes.shape[1]
+    valid = top_nodes > 0
+    if target_best is not None:
+        parent_rows = torch.cat([torch.zeros_like(top_nodes[:, :1]), top_nodes[:, :-1]], 1)
+        drafted = nodes.gather(1, (top_nodes - 1).clamp(min=0))
+        hit = valid & (drafted == target_best.gather(1, parent_rows))
+    else:
+        kept = torch.arange(depth, device=path.device)[None, :] < num_accepted[:, None]
+        hit = valid & kept & (path[:, :depth] == top_nodes)
+    return hit.long().cumprod(1).sum(1)
+
+
 def children_table(parents: torch.Tensor, order: torch.Tensor, max_children: int) -> torch.Tensor:
     """parents, order [B, N] i64 (order: index among siblings, in the order they are tried)
     → children [B, N+1, C] i64: node ids (1..N) of each node's children, 0 where none (the

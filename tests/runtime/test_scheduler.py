@@ -150,7 +150,7 @@ class FixedChoices:
         self.asked.append(([c.options for c in candidates], other_rows, other_tokens))
         return [c.options[min(self.pick, len(c.options) - 1)] for c in candidates]
 
-    def observe(self, key, num_drafts, num_accepted, tree=False, depth=0, branch_rows=None):
+    def observe(self, key, num_drafts, num_accepted, tree=False, depth=0, branch_rows=None, top_accepted=-1):
         self.observed.append((key, num_drafts, num_accepted) + (("tree",) if tree else ()))
         self.branches.append((depth, branch_rows))
 

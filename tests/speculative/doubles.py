@@ -139,7 +139,7 @@ class RandomChoices:
         self.mixed_steps += len({o.k for o in picked}) > 1
         return picked
 
-    def observe(self, key, num_drafts, num_accepted, tree=False, depth=0, branch_rows=None):
+    def observe(self, key, num_drafts, num_accepted, tree=False, depth=0, branch_rows=None, top_accepted=-1):
         pass
 
     def observe_step(self, rows, drafter_rows, seconds, speculating=0, catch_up_rows=0, tree=False):

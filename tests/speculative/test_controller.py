@@ -520,6 +520,31 @@ def test_tree_steps_and_chain_steps_learn_their_own_price():
     assert not picked.tree and picked.depth > 0
 
 
+def test_a_tree_is_priced_as_its_top_chain_plus_what_its_other_branches_add():
+    """With the top path's acceptance reported on tree steps, chains and trees learn on the same
+    steps: the tree's own steps teach the chain (its top path) and the tree's gain. Priced apart,
+    a sequence whose tree steps fell on hard text and chain steps on easy text read its chains
+    as the better option; priced together, the tree is its chain plus the gain."""
+    options = tree_options(6, 3, 6)
+    ctl = controller(Scripted(base=10.0, per_row=0.3), min_gain=1.0)
+    train(ctl, "s", 3, k=3)  # easy chain steps: all three drafts land
+    for _ in range(20):
+        ctl.observe("s", 3, 1, tree=True)  # hard tree steps, no top path reported
+    assert ctl.choose([Candidate("s", options)]) == [SpecOption(3, 3)]
+    for _ in range(30):  # the same hard text, now with the top path: it accepts 0, the tree 1
+        ctl.observe("s", 3, 1, tree=True, top_accepted=0)
+    assert ctl._drafted("s", 3, True) == pytest.approx(ctl._drafted("s", 3, False) + 1.0, abs=0.05)
+    assert ctl._drafted("s", 3, False) < 1.2  # the chain learned the hard text too
+    assert ctl.choose([Candidate("s", options)]) == [SpecOption(6, 3, tree=True)]
+    # A tree never reads below its chain, and an unseen request starts from the population's gain.
+    ctl.observe("t", 3, 3, tree=True, top_accepted=3)
+    assert ctl.tree_gain["t"].expected() >= 0.0
+    assert ctl._drafted("u", 3, True) == pytest.approx(ctl._drafted("u", 3, False)
+                                                       + ctl.tree_gain_population.expected())
+    ctl.forget("s")
+    assert "s" not in ctl.tree_gain
+
+
 def test_admission_judges_a_tree_by_the_trees_acceptance():
     """EAGLE-2's dynamic trees offer the tree alone: whether it pays at admission is read from
     the trees' population, not the chains' (which a dynamic tree never updates)."""

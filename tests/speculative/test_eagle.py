@@ -92,6 +92,28 @@ def test_greedy_eagle_with_long_accepted_paths_equals_plain(tiny_dirs, echo_head
     assert max(max(s.get("accepted_per_position", [0])[1:] or [0]) for s in stats) > 0  # depth >= 2
 
 
+def test_tree_steps_report_what_their_top_path_accepted(tiny_dirs, echo_heads, greedy_reference):
+    """Each tree step tells the controller what the tree's top path (the chain the controller
+    could have chosen instead) accepted on its own: at most what the tree accepted, all of it
+    where the walk stayed on the top path, less where another branch carried it further."""
+    ps = prompts(4, seed=91)
+    eng = engine(tiny_dirs, echo_heads, depth=4, topk=2, tokens=8)
+    seen = []
+    observe = eng.controller.observe
+
+    def spy(key, num_drafts, num_accepted, tree=False, depth=0, branch_rows=None, top_accepted=-1):
+        seen.append((num_accepted, tree, top_accepted))
+        observe(key, num_drafts, num_accepted, tree, depth, branch_rows, top_accepted)
+
+    eng.controller.observe = spy
+    results = eng.generate(ps, SamplingParams(max_tokens=32, ignore_eos=True))
+    assert [r.token_ids for r in results] == greedy_reference(ps, 32)
+    trees = [(a, top) for a, tree, top in seen if tree]
+    assert trees and all(0 <= top <= a for a, top in trees)
+    assert any(top > 0 for _, top in trees) and any(top < a for a, top in trees)
+    assert eng.controller.tree_gain_population.steps == len(trees)
+
+
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
 def test_target_and_head_kv_after_tree_steps_equal_a_from_scratch_run(tiny_dirs, echo_heads, tree):
     eng = engine(tiny_dirs, echo_heads, page_size=4, tokens=8, depth=4, tree=tree)

@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from overlap.speculative.tree import TreeShape, children_table, verify_tree, verify_tree_greedy
+from overlap.speculative.tree import TreeShape, children_table, top_path_accepted, verify_tree, verify_tree_greedy
 from speculative import doubles
 from speculative.markov import assert_law, law_rejected
 
@@ -198,6 +198,29 @@ def test_greedy_walk_takes_the_deeper_of_two_matching_siblings(torch_only):
     best[0, 1] = 0  # the chain's second node misses: tie at one node each, the branch (first) wins
     out, accepted, path = verify_tree_greedy(best, tokens, parents, order, 3, 2, torch_only=torch_only)
     assert accepted.tolist() == [1] and path[0, 0].item() == 4 and out[0, :2].tolist() == [5, 9]
+
+
+def test_top_path_accepted_is_what_its_chain_alone_accepts():
+    """Greedy: the leading top-path nodes holding the target's choice, also where the walk took
+    an equal sibling (the branch) or left the path for another child; sampled: where the
+    accepted path ran through the top path's nodes."""
+    parents = torch.tensor([[0, 1, 2, 0, 0]])  # nodes 1-3: the head's top path; 4: a branch; 5: a sibling
+    order = torch.tensor([[1, 0, 0, 0, 2]])
+    tokens = torch.tensor([[5, 6, 7, 5, 4]])
+    top = torch.tensor([[1, 2, 3]])
+    best = torch.tensor([[5, 6, 0, 8, 9, 3]])  # the top path holds 2; the branch (tried first) 1
+    _, accepted, path = verify_tree_greedy(best, tokens, parents, order, 3, 3)
+    assert accepted.tolist() == [2] and top_path_accepted(top, path, accepted, tokens, best).tolist() == [2]
+    best = torch.tensor([[5, 9, 7, 8, 9, 3]])  # the walk takes the branch (4) at a tie of one node
+    _, accepted, path = verify_tree_greedy(best, tokens, parents, order, 3, 3)
+    assert path[0, 0].item() == 4 and top_path_accepted(top, path, accepted, tokens, best).tolist() == [1]
+    best = torch.tensor([[4, 6, 7, 8, 9, 3]])  # only the sibling (node 5) holds the first choice
+    _, accepted, path = verify_tree_greedy(best, tokens, parents, order, 3, 3)
+    assert accepted.tolist() == [1] and top_path_accepted(top, path, accepted, tokens, best).tolist() == [0]
+    # Sampled: from the walk's path; a shorter top path is padded with 0 (never counted).
+    path, accepted = torch.tensor([[1, 2, 0], [5, 0, 0], [1, 2, 3]]), torch.tensor([2, 1, 3])
+    tops = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 0]])
+    assert top_path_accepted(tops, path, accepted).tolist() == [2, 0, 2]
 
 
 @pytest.mark.parametrize("shape", [DEPTH3, TreeShape.default(3, 2, 8), TreeShape.default(4, 3, 12),
