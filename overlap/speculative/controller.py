@@ -11,7 +11,8 @@ chain of 1..depth drafts along the tree's top path, or the whole tree) to maximi
 
 where a sequence's expected tokens with d drafts deep are 1 + Σ_{j≤d} Π_{m≤j} a[m], a[m]
 being its own exponential average of "draft m accepted, given drafts 1..m-1 were" (kept apart
-for its chains and its trees: a tree's several candidates per level accept more); and the
+for its chains and its trees: a tree's several candidates per level accept more; a fixed
+tree whose steps report what its top path accepted is its chain plus the tree's gain); and the
 step's time is the target's cost at the batch's total rows plus the drafter's steps (level
 j >= 2 runs over the sequences still drafting at depth j; draft 1 comes from the carried
 distribution), from `StepCostModel`: a cost
@@ -301,8 +302,8 @@ class StepCostModel:
         return self.step_ms(rows) + sum(self.drafter_ms(n) for n in drafter_rows if n)
 
     def _price(self, overhead: "_Overhead") -> float:
-        """A bucket's price of speculating against the curve as corrected now (cached until the
-        next observed step changes the curve or the bucket)."""
+        """A bucket's price of speculating against the curve as corrected now (cached until an
+        observed step changes the curve or the bucket)."""
         key = id(overhead)
         if key not in self._prices:
             self._prices[key] = overhead.price(self._predicted)
@@ -318,14 +319,14 @@ class StepCostModel:
         # priced speculation out at batch 1 for good: docs/controller.md, session 8). What is
         # learned from is the step's own time, its predicted share taken out.
         ms = max(ms - self.drafter_ms(catch_up_rows), 0.0)
-        self._prices.clear()
         if speculating:
             # Kept whole, and priced against the curve as it is when asked (_price): a price
             # taken once as the excess over the curve of that moment counted the host work of a
             # batch twice once plain steps had corrected the curve for it (concurrency 16, mtp:3:
             # 40 ms a step learned before any plain step of 16 rows was seen, session 27).
-            self.overhead.setdefault((self._bucket(speculating), tree), _Overhead()).add(
-                ms, rows, tuple(drafter_rows), speculating)
+            overhead = self.overhead.setdefault((self._bucket(speculating), tree), _Overhead())
+            overhead.add(ms, rows, tuple(drafter_rows), speculating)
+            self._prices.pop(id(overhead), None)  # the other buckets' prices stand
             return
         # Only decode steps teach the curve: a step holding a prompt chunk pays for a request's
         # start (its pages, prefix lookup, first sampling) beyond its rows. Taught by prompt
@@ -348,6 +349,7 @@ class StepCostModel:
         self.plain_steps[b] += 1
         self.correction[b] = old + max(self.alpha, 1.0 / self.plain_steps[b]) * (ratio - old)
         self._floors.clear()
+        self._prices.clear()  # every price is taken against the curve
 
     def plain_measured(self, rows: int) -> bool:
         """Whether a plain step in the rows bucket of `rows` has been observed."""
