@@ -332,10 +332,10 @@ class StepCostModel:
         # start (its pages, prefix lookup, first sampling) beyond its rows. Taught by prompt
         # chunks, the buckets a verify step falls in read 1.8-1.9 at batch 1 where decode steps
         # read 1.16, and speculation, priced by its excess over that and never below 0, was
-        # taken for 1.6x a plain step where it costs 1.2x (the controller chose no drafts on 263
-        # steps, the fixed tree ran 14% faster); at concurrency 16 the 64-127-row bucket read
-        # 1.35 from prompt chunks against the decode buckets' 1.16-1.18 and detached 15 of 20
-        # sequences as hopeless (session 28). A bucket no decode step reached borrows the
+        # taken for 1.6x a plain step where it costs 1.2x (paired at batch 1, EAGLE: 8% more
+        # time a token, no drafts chosen on 258 steps); at concurrency 16 the 64-127-row bucket
+        # read 1.35 from prompt chunks against the decode buckets' 1.16-1.18 and detached 15 of
+        # 20 sequences as hopeless (session 28). A bucket no decode step reached borrows the
         # nearest one's correction.
         predicted = self._base(rows)
         if predicted <= 0 or prompt_rows:

@@ -142,7 +142,7 @@ class RandomChoices:
     def observe(self, key, num_drafts, num_accepted, tree=False, depth=0, branch_rows=None, top_accepted=-1):
         pass
 
-    def observe_step(self, rows, drafter_rows, seconds, speculating=0, catch_up_rows=0, tree=False):
+    def observe_step(self, rows, drafter_rows, seconds, speculating=0, catch_up_rows=0, tree=False, prompt_rows=0):
         pass
 
     def should_detach(self, key):
