@@ -485,6 +485,7 @@ def test_only_decode_steps_teach_the_curve():
         cost.observe(8, [], cost.step_ms(8) + 2.0, speculating=1, prompt_rows=4)
     assert cost.spec_overhead_ms(1) == pytest.approx(2.0)
 
+
 def test_a_kind_cheaper_than_the_curve_predicts_is_priced_below_it():
     """The 1-row decode step's correction scales the forward's cost of more rows, so at batch 1
     the curve predicts a verify step above what it takes: each kind's price goes below zero
@@ -499,6 +500,7 @@ def test_a_kind_cheaper_than_the_curve_predicts_is_priced_below_it():
     for _ in range(8):  # steps that took nothing (a clock glitch) move it by half a prediction
         cost.observe(4, [], 1e-6, speculating=1)
     assert cost.spec_overhead_ms(1) == pytest.approx(-0.5 * cost.step_ms(4))
+
 
 def test_tree_steps_and_chain_steps_learn_their_own_price():
     """EAGLE: a step with a tree pays its expansion and walk, a chains-only step an MTP step's
@@ -589,6 +591,7 @@ def test_the_corrected_curve_never_falls_with_more_rows():
     assert cost.spec_overhead_ms(1, tree=True) == pytest.approx(3.0)
     cost.observe(8, [], 26.0)  # the floor follows the lower bucket's new correction
     assert cost.step_ms(16) == pytest.approx(max(cost._base(15), cost._base(16) * 1.16))
+
 
 def test_a_lookup_branchs_copied_tokens_are_counted():
     """A branch that copies 6 tokens every step (the first also the chain's) against a fixed
