@@ -128,9 +128,12 @@ class LookupBranch:
             if branch and self.inner_trusts_own_drafts:
                 self.branched[(sampled[j].seq_id, sampled[j].start_pos)] = (k, branch[0])
         max_children = (inner.tree.max_children if inner.tree is not None else 1) + 1
-        # The head's nodes keep their ids (1..b): its top path is the inner layout's (a chain: all of it).
-        top = [(inner.tree.top_path[j] if inner.tree is not None and inner.tree.top_path is not None
-                else list(range(1, k + 1))) if k else None for j, k in enumerate(inner.num_drafts)]
+        # The head's nodes keep their ids (1..b): its top path is the inner layout's (a chain: all
+        # of it; a tree that reports none, as EAGLE-2's grown ones, still none).
+        if inner.tree is None:
+            top = [list(range(1, k + 1)) if k else None for k in inner.num_drafts]
+        else:
+            top = inner.tree.top_path
         tree = TreeLayout(parents, order, masks, max(max(d) for d in depths if d), max_children, top)
         return BranchedLayout(num_drafts, inner.width + self.length, depths, tree, tokens,
                               keep_hidden=inner.keep_hidden, device_fills=inner.tokens is None, inner=inner)

@@ -87,12 +87,13 @@ class TreeShape:
 
 def top_path_accepted(top_nodes: torch.Tensor, path: torch.Tensor, num_accepted: torch.Tensor,
                       nodes: torch.Tensor | None = None, target_best: torch.Tensor | None = None) -> torch.Tensor:
-    """How many drafts a chain along each tree's top path would have accepted: [S] i64.
-    top_nodes [S, D] i64: the path's node ids by depth (0 past its end). Greedy (nodes [S, N]
-    and target_best [S, N+1] given): the leading depths whose node holds the target's choice
-    after its parent, exactly what the chain's verification accepts, whichever equal child the
-    walk took. Sampled: the leading depths where the accepted path (path [S, D], num_accepted
-    [S]) went through the top path's node."""
+    """How many drafts a chain along each tree's top path would have accepted: [S] i64, -1
+    where the tree has no top path (an EAGLE-2 tree grown on the host, a row without drafts:
+    nothing to report). top_nodes [S, D] i64: the path's node ids by depth (0 past its end).
+    Greedy (nodes [S, N] and target_best [S, N+1] given): the leading depths whose node holds
+    the target's choice after its parent, exactly what the chain's verification accepts,
+    whichever equal child the walk took. Sampled: the leading depths where the accepted path
+    (path [S, D], num_accepted [S]) went through the top path's node."""
     depth = top_nodes.shape[1]
     valid = top_nodes > 0
     if target_best is not None:
@@ -102,7 +103,7 @@ def top_path_accepted(top_nodes: torch.Tensor, path: torch.Tensor, num_accepted:
     else:
         kept = torch.arange(depth, device=path.device)[None, :] < num_accepted[:, None]
         hit = valid & kept & (path[:, :depth] == top_nodes)
-    return hit.long().cumprod(1).sum(1)
+    return torch.where(valid[:, 0], hit.long().cumprod(1).sum(1), -1)
 
 
 def children_table(parents: torch.Tensor, order: torch.Tensor, max_children: int) -> torch.Tensor:

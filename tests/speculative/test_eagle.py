@@ -19,9 +19,9 @@ from speculative.test_spec_engine import prompts
 
 
 def engine(tiny_dirs, heads, target="target", depth=3, topk=2, tokens=6, page_size=16, num_pages=512,
-           tree="static", controller=None, **sched):
+           tree="static", controller=None, lookup_branch=0, **sched):
     spec = SpecConfig(controller="off", method="eagle", head=str(heads[target]), tree_depth=depth, tree_topk=topk, tree_tokens=tokens,
-                      tree=tree)
+                      tree=tree, lookup_branch=lookup_branch)
     return Engine(EngineConfig(model=str(tiny_dirs[target]), spec=spec,
                                cache=CacheConfig(page_size=page_size, num_pages=num_pages),
                                scheduler=SchedulerConfig(**{"max_num_seqs": 64, "max_batched_tokens": 512,
@@ -112,6 +112,28 @@ def test_tree_steps_report_what_their_top_path_accepted(tiny_dirs, echo_heads, g
     assert trees and all(0 <= top <= a for a, top in trees)
     assert any(top > 0 for _, top in trees) and any(top < a for a, top in trees)
     assert eng.controller.tree_gain_population.steps == len(trees)
+
+
+@pytest.mark.parametrize("lookup", [0, 4])
+def test_grown_trees_report_no_top_path(tiny_dirs, echo_heads, greedy_reference, lookup):
+    """EAGLE-2's trees are grown on the host with no top path among their nodes: their steps
+    report none (-1), with a lookup branch beside them too, and the controller keeps pricing
+    them by the trees' own acceptance."""
+    ps = prompts(3, seed=92)
+    eng = engine(tiny_dirs, echo_heads, depth=4, topk=2, tokens=8, tree="dynamic", lookup_branch=lookup)
+    seen = []
+    observe = eng.controller.observe
+
+    def spy(key, num_drafts, num_accepted, tree=False, depth=0, branch_rows=None, top_accepted=-1):
+        seen.append((tree, top_accepted))
+        observe(key, num_drafts, num_accepted, tree, depth, branch_rows, top_accepted)
+
+    eng.controller.observe = spy
+    results = eng.generate(ps, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert [r.token_ids for r in results] == greedy_reference(ps, 24)
+    trees = [top for tree, top in seen if tree]
+    assert trees and all(top == -1 for top in trees)
+    assert not eng.controller.tree_gain_population.steps and eng.controller.tree_population.rates
 
 
 @pytest.mark.parametrize("tree", ["static", "dynamic"])

@@ -217,10 +217,14 @@ def test_top_path_accepted_is_what_its_chain_alone_accepts():
     best = torch.tensor([[4, 6, 7, 8, 9, 3]])  # only the sibling (node 5) holds the first choice
     _, accepted, path = verify_tree_greedy(best, tokens, parents, order, 3, 3)
     assert accepted.tolist() == [1] and top_path_accepted(top, path, accepted, tokens, best).tolist() == [0]
-    # Sampled: from the walk's path; a shorter top path is padded with 0 (never counted).
-    path, accepted = torch.tensor([[1, 2, 0], [5, 0, 0], [1, 2, 3]]), torch.tensor([2, 1, 3])
-    tops = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 0]])
-    assert top_path_accepted(tops, path, accepted).tolist() == [2, 0, 2]
+    # Sampled: from the walk's path; a shorter top path is padded with 0 (never counted); a
+    # tree without one (EAGLE-2's grown trees, a row without drafts) reports nothing: -1.
+    path, accepted = torch.tensor([[1, 2, 0], [5, 0, 0], [1, 2, 3], [1, 2, 0]]), torch.tensor([2, 1, 3, 2])
+    tops = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 0], [0, 0, 0]])
+    assert top_path_accepted(tops, path, accepted).tolist() == [2, 0, 2, -1]
+    best = torch.tensor([[5, 6, 7, 8, 9, 3]])
+    _, accepted, path = verify_tree_greedy(best, tokens, parents, order, 3, 3)
+    assert top_path_accepted(torch.zeros(1, 3, dtype=torch.long), path, accepted, tokens, best).tolist() == [-1]
 
 
 @pytest.mark.parametrize("shape", [DEPTH3, TreeShape.default(3, 2, 8), TreeShape.default(4, 3, 12),
