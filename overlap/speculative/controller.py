@@ -796,18 +796,22 @@ class SpeculationController:
             # had its position 3 marked rejected, and a request kept at k = 2 could never
             # show that a third draft lands).
             num_drafts, num_accepted = min(num_drafts, depth), min(num_accepted, depth)
-        if num_drafts:
+        if not num_drafts:
+            return
+        if not (tree and top_accepted >= 0):
             self._acc(key, tree).observe(num_drafts, num_accepted)
             (self.tree_population if tree else self.population).observe(num_drafts, num_accepted)
-        if num_drafts and tree and top_accepted >= 0:
-            # The chain it contains, verified on this step, and what the other branches added.
-            on_top = min(top_accepted, num_accepted)
-            self._acc(key).observe(num_drafts, on_top)
-            self.population.observe(num_drafts, on_top)
-            if key not in self.tree_gain:
-                self.tree_gain[key] = TreeGain(self.config.alpha, base=self.tree_gain_population)
-            self.tree_gain[key].observe(num_accepted - on_top)
-            self.tree_gain_population.observe(num_accepted - on_top)
+            return
+        # A tree that reports its top path: the chain it contains, verified on this step, and
+        # what its other branches added (it is priced from these, never from the trees' own
+        # averages: _drafted).
+        on_top = min(top_accepted, num_accepted)
+        self._acc(key).observe(num_drafts, on_top)
+        self.population.observe(num_drafts, on_top)
+        if key not in self.tree_gain:
+            self.tree_gain[key] = TreeGain(self.config.alpha, base=self.tree_gain_population)
+        self.tree_gain[key].observe(num_accepted - on_top)
+        self.tree_gain_population.observe(num_accepted - on_top)
 
     def observe_step(self, rows: int, drafter_rows: list[int], seconds: float, speculating: int = 0,
                      catch_up_rows: int = 0, tree: bool = False, prompt_rows: int = 0) -> None:
