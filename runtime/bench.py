@@ -548,8 +548,39 @@ def bench_once(client, prompt_ids: list[list[int]], max_tokens: int, c: int, lab
     before = client.counters()
     with _progress(len(prompt_ids), f"{label} c={c}", progress) as bar:
         traces, wall = drive(client, prompt_ids, params, c, on_finish=bar.update)
+    return run_metrics(c, traces, wall, before, client.counters(), kinds)
+
+
+def bench_paired_prompts(clients: list, prompt_ids: list[list[int]], max_tokens: int, desc: str, start: int = 0,
+                         progress: bool = True, kinds: list[str | None] | None = None) -> list[dict]:
+    """One round at concurrency 1 with the variants interleaved prompt by prompt: each prompt
+    runs on every variant back to back (the first variant rotating from prompt to prompt), so
+    a slow spell of a shared host, which can last a few seconds or a minute, falls on every
+    variant's run of the same prompts rather than on whichever variant ran then (seen on an
+    AMD EPYC host: plain decoding at 88 tok/s in one round and 34 in the next). A variant's
+    wall time is the sum of its prompts' times; its counters change only while its own
+    prompts run, so the round's difference is theirs."""
+    kinds = kinds or [None] * len(prompt_ids)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=False)
+    before = [client.counters() for client in clients]
+    traces: list[list[Trace]] = [[] for _ in clients]
+    walls = [0.0] * len(clients)
+    with _progress(len(prompt_ids), desc, progress) as bar:
+        for p, ids in enumerate(prompt_ids):
+            for i in [(start + p + j) % len(clients) for j in range(len(clients))]:
+                (trace,), wall = drive(clients[i], [ids], params, 1)
+                traces[i].append(trace)
+                walls[i] += wall
+            bar.update()
+    return [run_metrics(1, traces[i], walls[i], before[i], clients[i].counters(), kinds)
+            for i in range(len(clients))]
+
+
+def run_metrics(c: int, traces: list[Trace], wall: float, before: dict, after: dict,
+                kinds: list[str | None]) -> dict:
+    """One run's report entry: throughput, latencies, acceptance, device timing and prefix-cache
+    use (from the client's counters before and after), and the outputs."""
     rates = [r for r in map(decode_tokens_per_s, traces) if r is not None]
-    after = client.counters()
     return {"concurrency": c, **summarize(traces, wall),
             "decode_tokens_per_s": float(np.mean(rates)) if rates else None,
             **acceptance([t.stats for t in traces]), "by_kind": by_kind(traces, kinds),
@@ -562,7 +593,7 @@ def bench_once(client, prompt_ids: list[list[int]], max_tokens: int, c: int, lab
 
 def bench_rounds(clients: list, labels: list[str], prompt_ids: list[list[int]], max_tokens: int,
                  concurrencies: list[int], rounds: int, progress: bool = True,
-                 kinds: list[str | None] | None = None) -> list[list[dict]]:
+                 kinds: list[str | None] | None = None, interleave: str = "rounds") -> list[list[dict]]:
     """Every variant at every concurrency, `rounds` times, interleaved: round r runs each
     concurrency for every variant back to back (starting from variant r, so no variant is
     always first), so that a slow minute on a shared host falls on every variant alike
@@ -574,7 +605,12 @@ def bench_rounds(clients: list, labels: list[str], prompt_ids: list[list[int]], 
     cache and later rounds a warm one, and a variant whose median round is the cold one shows
     another TTFT and prefix-cache hit rate than one whose median is warm (seen: 8% against 87%
     hits, TTFT p50 65 ms against 36, in one run). Primed, every round runs in the same state:
-    the prompts' full pages cached, as a repeated prompt finds them."""
+    the prompts' full pages cached, as a repeated prompt finds them.
+
+    interleave="prompts": at concurrency 1 a round interleaves the variants prompt by prompt
+    (bench_paired_prompts), pairing them within seconds rather than within a round; other
+    concurrencies keep the round's order (a slice of prompts at c > 1 would end in a tail the
+    whole run does not have)."""
     for client in clients:
         for ids in prompt_ids:
             client.warm_up(ids)
@@ -582,6 +618,13 @@ def bench_rounds(clients: list, labels: list[str], prompt_ids: list[list[int]], 
     for r in range(rounds):
         order = [(i + r) % len(clients) for i in range(len(clients))]
         for c in concurrencies:
+            if interleave == "prompts" and c == 1:
+                paired = bench_paired_prompts(clients, prompt_ids, max_tokens,
+                                              f"{len(clients)} modes, prompt by prompt (round {r + 1}/{rounds})",
+                                              r, progress, kinds)
+                for i, run in enumerate(paired):
+                    done.setdefault((i, c), []).append(run)
+                continue
             for i in order:
                 run = bench_once(clients[i], prompt_ids, max_tokens, c, f"{labels[i]} (round {r + 1}/{rounds})",
                                  progress, kinds)
@@ -627,17 +670,21 @@ def compare_outputs(ours: list[list[int]], ref: list[list[int]], exact: bool = F
 def run_bench(variants: list[Variant | tuple[str, EngineConfig]], prompts: list[str | Prompt], max_tokens: int,
               concurrencies: list[int], compare_hf: bool = False, progress: bool = True,
               make_engine: Callable[[EngineConfig], Engine] = Engine, shared_prefix: int = 0,
-              rounds: int = 1) -> dict:
+              rounds: int = 1, interleave: str = "rounds") -> dict:
     """Benchmark each variant in turn; speedups and identical outputs are relative to the
     first variant. `shared_prefix`: tokens of a common system prompt in front of every prompt.
     rounds > 1: every variant is loaded at once and the runs are interleaved round by round
     (bench_rounds); each speedup is then the median of the per-round ratios, with their range.
+    interleave="prompts": at concurrency 1 the variants alternate prompt by prompt within each
+    round (all loaded at once, even with one round).
 
     The HF reference and the bandwidth efficiency use the first variant at the lowest
     concurrency (1 unless the caller left it out).
     """
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
+    if interleave not in ("rounds", "prompts"):
+        raise ValueError(f"interleave must be 'rounds' or 'prompts', got {interleave!r}")
     variants = [v if isinstance(v, Variant) else Variant(*v) for v in variants]
     prompts = [p if isinstance(p, Prompt) else Prompt(p) for p in prompts]
     kinds = [p.kind for p in prompts]
@@ -653,6 +700,7 @@ def run_bench(variants: list[Variant | tuple[str, EngineConfig]], prompts: list[
         "hf": None,
     }
     report["config"]["rounds"] = rounds
+    report["config"]["interleave"] = interleave
     prompt_ids: list[list[int]] | None = None
     model_dir = resolve_model_dir(variants[0].config.model, progress=progress)  # cached: no reconversion
 
@@ -674,7 +722,7 @@ def run_bench(variants: list[Variant | tuple[str, EngineConfig]], prompts: list[
 
     # 1. the engines or server connections, and every concurrency on each: one variant at a
     # time (its weights and KV pool freed before the next loads), or all at once, interleaved.
-    if rounds == 1:
+    if rounds == 1 and interleave == "rounds":
         measured = []
         for v in variants:
             client, close, wbytes = open_client(v)
@@ -690,7 +738,7 @@ def run_bench(variants: list[Variant | tuple[str, EngineConfig]], prompts: list[
             for v in variants:
                 opened.append(open_client(v))
             all_runs = bench_rounds([o[0] for o in opened], [v.label for v in variants], prompt_ids, max_tokens,
-                                    concurrencies, rounds, progress, kinds)
+                                    concurrencies, rounds, progress, kinds, interleave)
         finally:
             for _, close, _ in opened:
                 close()

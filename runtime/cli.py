@@ -206,6 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "speedups are the median of the ratios paired round by round, shown with their "
                             "range (the run's own noise band); every prompt runs once first, so every round finds "
                             "its pages in the prefix cache; default 1: one mode after another")
+    bench.add_argument("--interleave", choices=("rounds", "prompts"), default="rounds",
+                       help="how the modes take turns (all loaded at once): rounds (with --rounds: each round "
+                            "runs every mode back to back), or prompts: at concurrency 1 every prompt runs on "
+                            "each mode in turn, so a slow spell of a shared host (seconds to minutes) falls on "
+                            "all modes alike; other concurrencies keep the round's order")
     bench.add_argument("--json", metavar="OUT", help="write the full report as JSON to OUT")
     bench.add_argument("--compare-hf", action="store_true",
                        help="also run transformers (batch 1) and compare speed and outputs")
@@ -548,7 +553,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     # variant is the baseline for speedups and for the identical-outputs check.
     variants = _bench_variants(args)
     report = run_bench(variants, prompts, args.max_tokens, args.concurrency, compare_hf=args.compare_hf,
-                       make_engine=make_engine, shared_prefix=args.shared_prefix or 0, rounds=args.rounds)
+                       make_engine=make_engine, shared_prefix=args.shared_prefix or 0, rounds=args.rounds,
+                       interleave=args.interleave)
     print(format_report(report))
     if args.json:
         write_report(report, args.json)

@@ -110,15 +110,18 @@ def test_generate_spec_matches_plain(tiny_dirs, cached_engines, capsys):
     assert {c.spec.num_spec_tokens for c in cached_engines if c.spec.method != "none"} == {3}
 
 
-def test_bench_cli_orders_none_first(tiny_dirs, cached_engines, tmp_path, capsys):
+@pytest.mark.parametrize("interleave", ["rounds", "prompts"])
+def test_bench_cli_orders_none_first(tiny_dirs, cached_engines, tmp_path, capsys, interleave):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p.text, "kind": p.kind}) + "\n" for p in PROMPTS))
     out = tmp_path / "out.json"
     assert cli.main(["bench", "--prompts", str(prompts), "--max-tokens", "6", "--model", str(tiny_dirs["target"]),
-                     "--spec", "ngram", "none", "--dtype", "float32", "--json", str(out)]) == 0
+                     "--spec", "ngram", "none", "--dtype", "float32", "--json", str(out),
+                     "--interleave", interleave]) == 0
     table = capsys.readouterr().out
     assert "identical" in table
     report = json.loads(out.read_text())
+    assert report["config"]["interleave"] == interleave
     assert [v["label"] for v in report["variants"]] == ["none", "ngram"]
     assert report["variants"][1]["runs"][0]["vs_baseline"]["identical"] == 3
 
@@ -167,3 +170,47 @@ def test_rounds_interleave_the_modes_and_pair_their_ratios(tiny_dirs, monkeypatc
     assert (tmp_path / "rounds.png").stat().st_size > 0
     with pytest.raises(ValueError, match="rounds"):
         run_bench(variants, PROMPTS, max_tokens=6, concurrencies=[1], progress=False, rounds=0)
+
+
+def test_interleave_prompts_pairs_the_modes_prompt_by_prompt(tiny_dirs, monkeypatch):
+    """--interleave prompts: at c=1 each prompt runs on every mode back to back, the first
+    mode rotating by prompt and round; a mode's wall time is the sum of its prompts' and its
+    counters cover all of them; c=2 keeps the round's order."""
+    from runtime import bench
+
+    calls, walls, real = [], {}, bench.drive
+
+    def recording(client, prompts, params, concurrency, **kw):
+        traces, wall = real(client, prompts, params, concurrency, **kw)
+        label = labels[id(client)]
+        calls.append((label, len(prompts), concurrency))
+        walls.setdefault((label, concurrency), []).append(wall)
+        return traces, wall
+
+    labels = {}
+    real_open = bench.EngineClient.__init__
+
+    def naming(self, engine):
+        real_open(self, engine)
+        labels[id(self)] = engine.config.spec.method
+
+    monkeypatch.setattr(bench, "drive", recording)
+    monkeypatch.setattr(bench.EngineClient, "__init__", naming)
+    variants = [(m, tiny_config(tiny_dirs, m)) for m in ("none", "ngram")]
+    prompts = [Prompt(p.text * 4, p.kind) for p in PROMPTS]
+    report = run_bench(variants, prompts, max_tokens=6, concurrencies=[1, 2], progress=False,
+                       make_engine=lambda c: Engine(c, progress=False), rounds=2, interleave="prompts")
+    one = lambda *modes: [(m, 1, 1) for m in modes]  # noqa: E731
+    assert calls == (one("none", "ngram", "ngram", "none", "none", "ngram") + [("none", 3, 2), ("ngram", 3, 2)]
+                     + one("ngram", "none", "none", "ngram", "ngram", "none") + [("ngram", 3, 2), ("none", 3, 2)])
+    assert report["config"]["interleave"] == "prompts"
+    prompt_tokens = sum(report["config"]["prompt_tokens"])
+    for v in report["variants"]:
+        run = next(r for r in v["runs"] if r["concurrency"] == 1)
+        per_round = [sum(walls[v["label"], 1][r * 3:(r + 1) * 3]) for r in range(2)]
+        assert sorted(run["output_tokens"] / w for w in per_round) == pytest.approx(
+            sorted(run["rounds_tokens_per_s"]))
+        assert run["requests"] == 3 and run["prefix_cache"]["queried_tokens"] == prompt_tokens
+    assert report["variants"][1]["runs"][0]["vs_baseline"]["identical"] == 3
+    with pytest.raises(ValueError, match="interleave"):
+        run_bench(variants, PROMPTS, max_tokens=6, concurrencies=[1], progress=False, interleave="steps")
