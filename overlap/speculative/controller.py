@@ -190,6 +190,7 @@ class StepCostModel:
         # expansion and walk cost more than a chain's, and one median over both priced EAGLE's
         # trees at its chains' price (session 9).
         self.overhead: dict[tuple[int, bool], _Overhead] = {}
+        self.clock = 0  # steps observed (of every kind): the age of a price's steps
         self._prices: dict[int, float] = {}  # id(_Overhead) → its price on the current curve
         self._floors: dict[int, float] = {}  # bucket → _below(bucket) on the current corrections
 
@@ -313,6 +314,18 @@ class StepCostModel:
                 catch_up_rows: int = 0, tree: bool = False, prompt_rows: int = 0) -> None:
         if ms <= 0:
             return
+        self.clock += 1
+        # A price taken from steps this old no longer stands: a host's slow spell (seconds to a
+        # minute on a shared VM) lands on whichever kind ran then, and once that kind is priced
+        # out it runs no more steps to unlearn it. On an AMD EPYC, mtp:3 at batch 1: a spell put
+        # 50 ms steps into the price of speculating (21.7 ms a step where 2-4 is usual); every
+        # sequence detached, every later request was turned away, and the 3 steps of one probe
+        # in 8 requests could not outvote the spell's in the window: the round ran at 0.96x of
+        # plain decoding, 1.82x fixed (session 29). Expired, the kind is unpriced (free) again,
+        # so the next request drafts and measures it.
+        for overhead in self.overhead.values():
+            if overhead.expire(self.clock):
+                self._prices.pop(id(overhead), None)
         # The drafter's catch-up over the previous step's prompt rows ran on the device just
         # before this step: a one-off cost per request, not a price of this step's shape (a
         # request's first speculative step carried its prompt's catch-up, and two such steps
@@ -325,7 +338,7 @@ class StepCostModel:
             # batch twice once plain steps had corrected the curve for it (concurrency 16, mtp:3:
             # 40 ms a step learned before any plain step of 16 rows was seen, session 27).
             overhead = self.overhead.setdefault((self._bucket(speculating), tree), _Overhead())
-            overhead.add(ms, rows, tuple(drafter_rows), speculating)
+            overhead.add(ms, rows, tuple(drafter_rows), speculating, self.clock)
             self._prices.pop(id(overhead), None)  # the other buckets' prices stand
             return
         # Only decode steps teach the curve: a step holding a prompt chunk pays for a request's
@@ -398,18 +411,28 @@ class _Overhead:
     against 43 predicted); priced from it alone, speculation for 16 sequences cost as much as
     the step itself, every sequence was detached three steps later and the run decoded plain
     (session 27, docs/controller.md). Until a bucket is priced the line through the others
-    prices it, or nothing does (it is tried: optimistic, as a kind not seen yet is)."""
+    prices it, or nothing does (it is tried: optimistic, as a kind not seen yet is).
+    A step older than `max_age` observed steps (of any kind) no longer counts
+    (StepCostModel.observe says why)."""
 
     window: int = 8
     min_steps: int = 3
+    max_age: int = 128  # in steps the cost model observed: ~1.5 s at batch 1, ~4 s at a batch of 8
     steps: int = 0
-    recent: list = field(default_factory=list)  # [(ms, rows, drafter levels, speculating)]
+    recent: list = field(default_factory=list)  # [(ms, rows, drafter levels, speculating, clock)]
 
-    def add(self, ms: float, rows: int, drafter_rows: tuple, speculating: int) -> None:
+    def add(self, ms: float, rows: int, drafter_rows: tuple, speculating: int, clock: int = 0) -> None:
         self.steps += 1
         if self.steps == 1:
             return
-        self.recent = (self.recent + [(ms, rows, drafter_rows, speculating)])[-self.window:]
+        self.recent = (self.recent + [(ms, rows, drafter_rows, speculating, clock)])[-self.window:]
+
+    def expire(self, clock: int) -> bool:
+        """Drop the steps observed more than max_age steps before `clock`; whether any went."""
+        if not self.recent or clock - self.recent[0][-1] <= self.max_age:
+            return False
+        self.recent = [e for e in self.recent if clock - e[-1] <= self.max_age]
+        return True
 
     @property
     def ready(self) -> bool:
@@ -426,14 +449,14 @@ class _Overhead:
         on 833 of 1290 steps; priced signed, chains -5.8 ms and trees -2.1, on 432: 2.9% less
         time a token, paired, session 28)."""
         excess = []
-        for ms, rows, drafter_rows, _ in self.recent:
+        for ms, rows, drafter_rows, *_ in self.recent:
             p = predicted(rows, drafter_rows)
             excess.append(min(max(ms - p, -0.5 * p), p))
         return _median(excess)
 
     @property
     def count(self) -> float:
-        return _median([c for *_, c in self.recent])
+        return _median([e[3] for e in self.recent])
 
 
 def _median(values: list[float]) -> float:

@@ -367,6 +367,33 @@ def test_the_price_of_speculating_ignores_a_first_step_and_stray_stalls():
     assert cost.spec_overhead_ms(1) == pytest.approx(5.0)
 
 
+def test_a_price_learned_in_a_slow_spell_expires_and_the_kind_is_tried_again():
+    """A host's slow spell lands on the speculative steps that ran then; priced out, the kind
+    runs no more steps to unlearn it. After max_age observed steps of other kinds the spell's
+    steps no longer count: the kind is unpriced (free) and a new request is admitted to draft."""
+    cost = StepCostModel({1: 10.0, 16: 13.0})
+    for _ in range(8):
+        cost.observe(12, [1, 1], cost.step_ms(12) + 2.0, speculating=1)  # usual: 2 ms a step
+    for _ in range(8):
+        cost.observe(12, [1, 1], 3 * cost.step_ms(12), speculating=1)  # the spell: 3x
+    assert cost.spec_overhead_ms(1) == pytest.approx(cost.step_ms(12))  # clamped at one prediction
+    ctl = SpeculationController(cost, ControllerConfig())
+    ctl.population.rates = [0.6, 0.4, 0.3]
+    chain = chain_options(3)[1:]
+    cost.observe(1, [], 10.0)  # a plain step measured: the batch's verdict may be given
+    assert not ctl.admits_drafts(1, chain)
+    for _ in range(100):  # the turned-away requests decode plain
+        cost.observe(1, [], 10.0)
+    assert cost.spec_overhead_ms(1) > 10.0 and not ctl.admits_drafts(1, chain)  # not yet
+    for _ in range(28):  # 128 steps after the spell's last
+        cost.observe(1, [], 10.0)
+    assert cost.spec_overhead_ms(1) == 0.0 and cost.as_dict()["spec_overhead_ms"] == {}
+    assert ctl.admits_drafts(1, chain)
+    for _ in range(3):  # measured again at the host's usual speed
+        cost.observe(12, [1, 1], cost.step_ms(12) + 2.0, speculating=1)
+    assert cost.spec_overhead_ms(1) == pytest.approx(2.0)
+
+
 def test_a_bucket_is_priced_from_three_steps_not_from_one_slow_one():
     """The second speculative step of a new batch size may still pay warm-up: alone it would
     price speculation out for good (the batch detaches before another step is measured), so a
