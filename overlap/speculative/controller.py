@@ -321,8 +321,9 @@ class StepCostModel:
         # 50 ms steps into the price of speculating (21.7 ms a step where 2-4 is usual); every
         # sequence detached, every later request was turned away, and the 3 steps of one probe
         # in 8 requests could not outvote the spell's in the window: the round ran at 0.96x of
-        # plain decoding, 1.82x fixed (session 29). Expired, the kind is unpriced (free) again,
-        # so the next request drafts and measures it.
+        # plain decoding, 1.82x fixed (session 29). An expired bucket is priced as one not seen
+        # yet: from the line through its kind's other buckets or, with none left, not at all
+        # (free), so the next request drafts and measures it.
         for overhead in self.overhead.values():
             if overhead.expire(self.clock):
                 self._prices.pop(id(overhead), None)
@@ -417,7 +418,7 @@ class _Overhead:
 
     window: int = 8
     min_steps: int = 3
-    max_age: int = 128  # in steps the cost model observed: ~1.5 s at batch 1, ~4 s at a batch of 8
+    max_age: int = 128  # in steps the cost model observed: ~1.5 s at batch 1, ~3 s at a batch of 8
     steps: int = 0
     recent: list = field(default_factory=list)  # [(ms, rows, drafter levels, speculating, clock)]
 
