@@ -67,6 +67,13 @@ def cases() -> list[tuple[str, list[tuple[int, int]], torch.Tensor | None]]:
     # EAGLE-like tree of 9 nodes: root, 2 children, each with 2 children, 2 grandchildren.
     tree = tree_mask_from_parents([-1, 0, 0, 1, 1, 2, 2, 3, 5])
     out.append(("tree 9 nodes b=8 ctx=256", [(256 - 9, 9)] * 8, tree))
+    # Batch 1, EAGLE's default 7-node tree with its root (8 rows), and with an 8-token lookup
+    # branch as one more child of the root (16 rows): what a batch-1 verify pass reads a layer.
+    shipped = [-1, 0, 0, 1, 1, 2, 3, 5]
+    out.append(("decode b=1 ctx=300", [(299, 1)], None))
+    out.append(("tree 7 nodes b=1 ctx=300", [(292, 8)], tree_mask_from_parents(shipped)))
+    out.append(("tree 7 nodes + branch 8 b=1 ctx=300", [(284, 16)],
+                tree_mask_from_parents(shipped + [0, 8, 9, 10, 11, 12, 13, 14])))
     out.append(("prefill 8x257", [(0, 257)] * 8, None))
     return out
 
