@@ -19,8 +19,10 @@ import torch
 from overlap.attention import SeqAttention
 from overlap.attention.base import tree_mask_from_parents
 from overlap.attention.cpu import CpuBackend
+from overlap.config import SpecConfig
 from overlap.kernels import variant_name
 from overlap.kv import KVPool
+from overlap.speculative.tree import TreeShape
 
 HEADS, KV_HEADS, DIM, PAGE = 9, 3, 64, 16
 
@@ -67,13 +69,15 @@ def cases() -> list[tuple[str, list[tuple[int, int]], torch.Tensor | None]]:
     # EAGLE-like tree of 9 nodes: root, 2 children, each with 2 children, 2 grandchildren.
     tree = tree_mask_from_parents([-1, 0, 0, 1, 1, 2, 2, 3, 5])
     out.append(("tree 9 nodes b=8 ctx=256", [(256 - 9, 9)] * 8, tree))
-    # Batch 1, EAGLE's default 7-node tree with its root (8 rows), and with an 8-token lookup
-    # branch as one more child of the root (16 rows): what a batch-1 verify pass reads a layer.
-    shipped = [-1, 0, 0, 1, 1, 2, 3, 5]
+    # Batch 1, EAGLE's default tree with its root, and with an 8-token lookup branch as one
+    # more child of the root: what a batch-1 verify pass reads a layer.
+    spec = SpecConfig()
+    shipped = [-1] + TreeShape.default(spec.tree_depth, spec.tree_topk, spec.tree_tokens).parents()
+    n, branch = len(shipped), [0] + list(range(len(shipped), len(shipped) + 7))
     out.append(("decode b=1 ctx=300", [(299, 1)], None))
-    out.append(("tree 7 nodes b=1 ctx=300", [(292, 8)], tree_mask_from_parents(shipped)))
-    out.append(("tree 7 nodes + branch 8 b=1 ctx=300", [(284, 16)],
-                tree_mask_from_parents(shipped + [0, 8, 9, 10, 11, 12, 13, 14])))
+    out.append((f"tree {n - 1} nodes b=1 ctx=300", [(300 - n, n)], tree_mask_from_parents(shipped)))
+    out.append((f"tree {n - 1} nodes + branch 8 b=1 ctx=300", [(300 - n - 8, n + 8)],
+                tree_mask_from_parents(shipped + branch)))
     out.append(("prefill 8x257", [(0, 257)] * 8, None))
     return out
 
