@@ -543,8 +543,7 @@ def bench_variant(client, prompt_ids: list[list[int]], max_tokens: int,
 def bench_once(client, prompt_ids: list[list[int]], max_tokens: int, c: int, label: str,
                progress: bool = True, kinds: list[str | None] | None = None) -> dict:
     """Every prompt through one client at concurrency c: the run's metrics and outputs."""
-    kinds = kinds or [None] * len(prompt_ids)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=False)
+    params = greedy(max_tokens)
     before = client.counters()
     with _progress(len(prompt_ids), f"{label} c={c}", progress) as bar:
         traces, wall = drive(client, prompt_ids, params, c, on_finish=bar.update)
@@ -560,8 +559,7 @@ def bench_paired_prompts(clients: list, prompt_ids: list[list[int]], max_tokens:
     AMD EPYC host: plain decoding at 88 tok/s in one round and 34 in the next). A variant's
     wall time is the sum of its prompts' times; its counters change only while its own
     prompts run, so the round's difference is theirs."""
-    kinds = kinds or [None] * len(prompt_ids)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=False)
+    params = greedy(max_tokens)
     before = [client.counters() for client in clients]
     traces: list[list[Trace]] = [[] for _ in clients]
     walls = [0.0] * len(clients)
@@ -576,10 +574,17 @@ def bench_paired_prompts(clients: list, prompt_ids: list[list[int]], max_tokens:
             for i in range(len(clients))]
 
 
+def greedy(max_tokens: int) -> SamplingParams:
+    """What every benchmarked request asks for: greedy decoding to max_tokens or EOS, so each
+    mode's outputs can be checked token for token against the baseline's."""
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=False)
+
+
 def run_metrics(c: int, traces: list[Trace], wall: float, before: dict, after: dict,
-                kinds: list[str | None]) -> dict:
+                kinds: list[str | None] | None = None) -> dict:
     """One run's report entry: throughput, latencies, acceptance, device timing and prefix-cache
     use (from the client's counters before and after), and the outputs."""
+    kinds = kinds or [None] * len(traces)
     rates = [r for r in map(decode_tokens_per_s, traces) if r is not None]
     return {"concurrency": c, **summarize(traces, wall),
             "decode_tokens_per_s": float(np.mean(rates)) if rates else None,
