@@ -422,7 +422,7 @@ class _Overhead:
     steps: int = 0
     recent: list = field(default_factory=list)  # [(ms, rows, drafter levels, speculating, clock)]
 
-    def add(self, ms: float, rows: int, drafter_rows: tuple, speculating: int, clock: int = 0) -> None:
+    def add(self, ms: float, rows: int, drafter_rows: tuple, speculating: int, clock: int) -> None:
         self.steps += 1
         if self.steps == 1:
             return
