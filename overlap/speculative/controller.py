@@ -61,7 +61,7 @@ import bisect
 import heapq
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Hashable, Protocol
+from typing import Hashable, NamedTuple, Protocol
 
 
 @dataclass(frozen=True)
@@ -399,6 +399,16 @@ def _fixed_plus_per_sequence(points: list[tuple[float, float]]) -> tuple[float, 
     return fixed, slope
 
 
+class _PricedStep(NamedTuple):
+    """One speculative step a bucket prices from."""
+
+    ms: float
+    rows: int
+    drafter_rows: tuple  # the drafter's levels: sequences each ran over
+    speculating: int  # sequences that drafted
+    clock: int  # StepCostModel.clock when it was observed: its age
+
+
 @dataclass
 class _Overhead:
     """The price of speculating in one bucket: the median of its last `window` speculative
@@ -420,19 +430,19 @@ class _Overhead:
     min_steps: int = 3
     max_age: int = 128  # in steps the cost model observed: ~1.5 s at batch 1, ~3 s at a batch of 8
     steps: int = 0
-    recent: list = field(default_factory=list)  # [(ms, rows, drafter levels, speculating, clock)]
+    recent: list[_PricedStep] = field(default_factory=list)
 
     def add(self, ms: float, rows: int, drafter_rows: tuple, speculating: int, clock: int) -> None:
         self.steps += 1
         if self.steps == 1:
             return
-        self.recent = (self.recent + [(ms, rows, drafter_rows, speculating, clock)])[-self.window:]
+        self.recent = (self.recent + [_PricedStep(ms, rows, drafter_rows, speculating, clock)])[-self.window:]
 
     def expire(self, clock: int) -> bool:
         """Drop the steps observed more than max_age steps before `clock`; whether any went."""
-        if not self.recent or clock - self.recent[0][-1] <= self.max_age:
+        if not self.recent or clock - self.recent[0].clock <= self.max_age:
             return False
-        self.recent = [e for e in self.recent if clock - e[-1] <= self.max_age]
+        self.recent = [s for s in self.recent if clock - s.clock <= self.max_age]
         return True
 
     @property
@@ -450,14 +460,14 @@ class _Overhead:
         on 833 of 1290 steps; priced signed, chains -5.8 ms and trees -2.1, on 432: 2.9% less
         time a token, paired, session 28)."""
         excess = []
-        for ms, rows, drafter_rows, *_ in self.recent:
-            p = predicted(rows, drafter_rows)
-            excess.append(min(max(ms - p, -0.5 * p), p))
+        for step in self.recent:
+            p = predicted(step.rows, step.drafter_rows)
+            excess.append(min(max(step.ms - p, -0.5 * p), p))
         return _median(excess)
 
     @property
     def count(self) -> float:
-        return _median([e[3] for e in self.recent])
+        return _median([s.speculating for s in self.recent])
 
 
 def _median(values: list[float]) -> float:
