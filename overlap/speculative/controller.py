@@ -46,9 +46,12 @@ the cost model keeps seeing speculative steps and a load that has eased is notic
 
 A lookup branch (lookup_branch.py) rides on every option that drafts: up to L more rows,
 verified where the sequence's history matched, and tokens beyond the drafts' reach where the
-target copies. Each sequence's `BranchYield` (what its branch added: rows, and tokens beyond
-what its drafts' acceptance predicted) is added to the rows and tokens of each of its options
-that draft. Without it the controller priced a chain of 3 as 4 rows where the step verified
+target copies. Each sequence's `BranchYield` (what its branch added: tokens beyond what its
+drafts' acceptance predicted, and rows: how often its lookup matches and how many it then
+verifies) is added to each of its options that draft: the tokens to the option's, the rows
+as a branch that fires or not, the step priced at its expected cost over how many of the
+batch's branches fire (`_Branches`: the curve rises in steps, and its cost at the expected
+rows under-priced a tree with its branch by ~3.6 ms). Without it the controller priced a chain of 3 as 4 rows where the step verified
 up to 12, and counted none of the copied tokens: at concurrency 8 on the Xeon it ran at
 0.90-0.98x of plain decoding where fixed drafts with the branch ran at 1.05-1.20x (session 21).
 
@@ -193,6 +196,10 @@ class StepCostModel:
         self.clock = 0  # steps observed (of every kind): the age of a price's steps
         self._prices: dict[int, float] = {}  # id(_Overhead) → its price on the current curve
         self._floors: dict[int, float] = {}  # bucket → _below(bucket) on the current corrections
+        # rows → step_ms(rows) on the current corrections: a controller's search prices up to
+        # EXACT + 1 row counts a step for the branches that may fire (_Branches), mostly the same
+        # few again and again. Bounded: without plain steps nothing else clears it.
+        self._steps: dict[float, float] = {}
 
     @classmethod
     def from_report(cls, report: dict, drafter: str | None = None, batch=None) -> "StepCostModel":
@@ -236,9 +243,14 @@ class StepCostModel:
             r0, r1, m0, m1 = self.rows[i - 1], self.rows[i], self.ms[i - 1], self.ms[i]
         return m0 + (m1 - m0) * (rows - r0) / (r1 - r0)
 
-    def step_ms(self, rows: int) -> float:
-        bucket = self._bucket(rows)
-        return max(self._base(rows) * self._correction(bucket), self._below(bucket))
+    def step_ms(self, rows: float) -> float:
+        ms = self._steps.get(rows)
+        if ms is None:
+            if len(self._steps) >= 4096:
+                self._steps.clear()
+            bucket = self._bucket(rows)
+            ms = self._steps[rows] = max(self._base(rows) * self._correction(bucket), self._below(bucket))
+        return ms
 
     def _below(self, bucket: int) -> float:
         """The most a step of fewer rows (a lower bucket, at its top row) is predicted to cost:
@@ -363,6 +375,7 @@ class StepCostModel:
         self.plain_steps[b] += 1
         self.correction[b] = old + max(self.alpha, 1.0 / self.plain_steps[b]) * (ratio - old)
         self._floors.clear()
+        self._steps.clear()
         self._prices.clear()  # every price is taken against the curve
 
     def plain_measured(self, rows: int) -> bool:
@@ -532,6 +545,7 @@ class BranchYield:
     alpha: float
     rows: float = 0.0
     tokens: float = 0.0
+    fires: float = 0.0  # of its drafting steps, the share where a lookup matched (rows > 0)
     steps: int = 0
     base: "BranchYield | None" = None
 
@@ -543,13 +557,84 @@ class BranchYield:
         # wrong): a negative residual is the acceptance model's noise.
         return self.rows, max(self.tokens, 0.0)
 
+    def firing(self) -> tuple[float, float]:
+        """(p, rows): how likely a drafting step's lookup matches, and the rows it then
+        verifies. A step verifies all of a branch or none of it (`_Branches` says why that
+        matters)."""
+        if not self.steps and self.base is not None:
+            return self.base.firing()
+        if self.fires <= 0.0:
+            return 0.0, 0.0
+        return min(self.fires, 1.0), self.rows / self.fires
+
     def observe(self, rows: int, extra_tokens: float) -> None:
         if not self.steps:
-            self.rows, self.tokens = (rows, extra_tokens) if self.base is None or not self.base.steps \
-                else self.base.expected()
+            source = self if self.base is None or not self.base.steps else self.base
+            self.rows, self.tokens, self.fires = (rows, extra_tokens, float(rows > 0)) if source is self \
+                else (source.rows, source.tokens, source.fires)
         self.steps += 1
         self.rows += self.alpha * (rows - self.rows)
         self.tokens += self.alpha * (extra_tokens - self.tokens)
+        self.fires += self.alpha * ((rows > 0) - self.fires)
+
+
+class _Branches:
+    """The lookup branches of a batch's drafting sequences, for the step's predicted time:
+    branch i adds its r_i rows with probability p_i (its lookup matched) and none otherwise,
+    so the step's time is the expectation of the target's cost over how many of them fire
+    (a Poisson-binomial count), each that fires adding the branches' mean length.
+
+    Not the cost at the expected rows: the curve rises in steps (a register tile of the
+    linear kernel holds 6 rows), and at batch 1 a tree of 9 rows with a branch of 8 fired on
+    ~25% of the steps: priced at 9 + 2 rows, 19.3 ms predicted, where a step with the branch
+    took 22.9 and one without 19.4; a chain of 3 was over-priced by ~0.5 ms the other way,
+    and the controller gave the tree half the steps where chains alone ran 6.5% faster (AMD
+    EPYC Zen 5, session 30; docs/controller.md). Exact up to `EXACT` branches (at most
+    EXACT + 1 points of the curve); beyond, where the count's spread covers a smooth stretch
+    of the curve, three points of a normal with its mean and variance (Gauss-Hermite: exact
+    for a curve of degree 5 or less), so a step's price costs a bounded number of lookups
+    at any batch size."""
+
+    EXACT = 8
+
+    def __init__(self):
+        self.count = [1.0]  # count[c]: probability that c branches fire (while n <= EXACT)
+        self.n = 0
+        self.mean = 0.0  # Σ p_i: branches expected to fire
+        self.variance = 0.0  # Σ p_i (1 - p_i)
+        self.rows = 0.0  # Σ p_i r_i: rows expected
+        self._points: list[tuple[float, float]] | None = None  # points(), until a branch is added
+
+    def add(self, p: float, rows: float, times: int = 1) -> None:
+        """`times` more branches, each firing with probability p for `rows` rows."""
+        if p <= 0.0 or rows <= 0.0:
+            return
+        self._points = None
+        for _ in range(times):
+            self.n += 1
+            self.mean += p
+            self.variance += p * (1.0 - p)
+            self.rows += p * rows
+            if self.n <= self.EXACT:
+                self.count = [a * (1.0 - p) + b * p for a, b in zip(self.count + [0.0], [0.0] + self.count)]
+
+    def points(self) -> list[tuple[float, float]]:
+        """(extra rows, weight) pairs whose weighted cost is the step's expected cost (weights
+        summing to 1)."""
+        if self._points is None:
+            self._points = self._spread()
+        return self._points
+
+    def _spread(self) -> list[tuple[float, float]]:
+        if not self.n:
+            return [(0.0, 1.0)]
+        length = self.rows / self.mean
+        if self.n <= self.EXACT:
+            kept = [(c * length, w) for c, w in enumerate(self.count) if w > 1e-4]
+            total = sum(w for _, w in kept)
+            return [(rows, w / total) for rows, w in kept]
+        spread = 3.0 ** 0.5 * self.variance ** 0.5 * length
+        return [(max(self.rows - spread, 0.0), 1 / 6), (self.rows, 2 / 3), (self.rows + spread, 1 / 6)]
 
 
 @dataclass
@@ -641,6 +726,11 @@ class SpeculationController:
             return self.branch_population.expected()
         return self.branch[key].expected()
 
+    def _branch_firing(self, key: Hashable) -> tuple[float, float]:
+        """(p, rows): how likely the sequence's lookup branch fires on a drafting step, and its
+        rows when it does (BranchYield.firing)."""
+        return self.branch.get(key, self.branch_population).firing()
+
     def _drafted(self, key: Hashable | None, depth: int, tree: bool) -> float:
         """Expected tokens from a step's drafts alone (1 + those accepted) where the sequence
         (None: an average request) drafts a chain `depth` deep or, tree, its tree: the chain
@@ -726,10 +816,14 @@ class SpeculationController:
         self.detached += 1
         return False
 
-    def _time(self, rows: int, levels: list[int], speculating: int, tree: bool = False) -> float:
-        """Predicted ms of a step over `rows` rows where `speculating` sequences draft and
-        levels[j] of them run drafter level j + 2; tree: at least one of them a tree."""
-        return (self.cost.step_ms(rows) + sum(self.cost.drafter_ms(n) for n in levels if n)
+    def _time(self, rows: float, levels: list[int], speculating: int, tree: bool = False,
+              branches: _Branches | None = None) -> float:
+        """Predicted ms of a step over `rows` rows, and the rows of the drafting sequences'
+        lookup `branches` that fire, where `speculating` sequences draft and levels[j] of them
+        run drafter level j + 2; tree: at least one of them a tree."""
+        points = branches.points() if branches is not None else [(0.0, 1.0)]
+        target = sum(w * self.cost.step_ms(rows + extra) for extra, w in points)
+        return (target + sum(self.cost.drafter_ms(n) for n in levels if n)
                 + self.cost.spec_overhead_ms(speculating, tree))
 
     def _hopeless(self, options, batch: int, other_rows: int = 0, other_tokens: int = 0) -> bool:
@@ -754,14 +848,16 @@ class SpeculationController:
         # on it (session 27).
         if not self.cost.plain_measured(batch + other_rows):
             return False
-        branch_rows, branch_tokens = self._branch(None)
+        branch_tokens = self._branch(None)[1]
+        branches = _Branches()
+        branches.add(*self.branch_population.firing(), times=batch)
         plain = (batch + other_tokens) / self._time(batch + other_rows, [], 0) * self.config.min_gain
         for option in options:
             accepted = self._drafted(None, option.depth, option.tree)
             levels = [batch] * max(0, option.depth - 1)
-            rows = other_rows + batch * (1 + option.rows + branch_rows)
+            rows = other_rows + batch * (1 + option.rows)
             tokens = other_tokens + batch * (accepted + branch_tokens)
-            if tokens / self._time(round(rows), levels, batch, option.tree) > plain:
+            if tokens / self._time(rows, levels, batch, option.tree, branches) > plain:
                 return False
         return True
 
@@ -773,6 +869,7 @@ class SpeculationController:
         max_depth = max((c.options[-1].depth for c in candidates), default=0)
         drafting = [0] * (max_depth + 1)  # drafting[j]: sequences drafting at depth >= j (j >= 1)
         trees = 0  # sequences whose option is a tree
+        branches = _Branches()  # the lookup branches of the sequences that draft
         plain_rate = tokens / self._time(rows, [], 0)
         best_rate, best_len, path = plain_rate * self.config.min_gain, 0, []
 
@@ -790,14 +887,16 @@ class SpeculationController:
             _, i = heapq.heappop(heap)
             cur, nxt = candidates[i].options[level[i]], candidates[i].options[level[i] + 1]
             tokens += self._tokens(candidates[i].key, nxt) - self._tokens(candidates[i].key, cur)
-            rows += self._rows(candidates[i].key, nxt) - self._rows(candidates[i].key, cur)
+            rows += nxt.rows - cur.rows
+            if nxt.depth and not cur.depth:  # it starts drafting: its branch may fire
+                branches.add(*self._branch_firing(candidates[i].key))
             for j in range(cur.depth + 1, nxt.depth + 1):
                 drafting[j] += 1
             level[i] += 1
             path.append(i)
             # Draft 1 comes from the carried distribution; each deeper one costs a drafter step.
             trees += nxt.tree - cur.tree
-            rate = tokens / self._time(rows, drafting[2:], drafting[1], trees > 0)
+            rate = tokens / self._time(rows, drafting[2:], drafting[1], trees > 0, branches)
             if rate > best_rate:
                 best_rate, best_len = rate, len(path)
             push(heap, i)

@@ -3,8 +3,12 @@ land, nothing when rows are expensive or drafts miss, and a per-request back-off
 
 import pytest
 
-from overlap.speculative.controller import (PLAIN, Candidate, ControllerConfig, SpecOption, SpeculationController,
-                                            StepCostModel, chain_options, tree_options)
+import itertools
+import random
+
+from overlap.speculative.controller import (PLAIN, BranchYield, Candidate, ControllerConfig, SpecOption,
+                                            SpeculationController, StepCostModel, _Branches, chain_options,
+                                            tree_options)
 
 
 class Scripted:
@@ -656,6 +660,71 @@ def test_a_lookup_branchs_rows_are_priced():
     # No branch reported: no branch yield, for that sequence or a new one.
     unbranched = trained(branch_rows=None)
     assert unbranched._branch(0) == (0.0, 0.0) and unbranched._branch("new") == (0.0, 0.0)
+
+
+def test_a_branchs_firing_is_learned_with_its_rows_when_it_fires():
+    """A lookup that matches on one drafting step in four, for 8 rows: firing 0.25 (its
+    average over the steps, as alpha weighs them), 8 rows when it fires; a new request reads
+    the population's."""
+    ctl = controller(Scripted())
+    for step in range(200):
+        ctl.observe("a", 3, 2, depth=3, branch_rows=8 if step % 4 == 0 else 0)
+    p, rows = ctl._branch_firing("a")
+    assert p == pytest.approx(0.25, abs=0.06) and rows == pytest.approx(8.0)
+    assert ctl._branch_firing("new") == ctl.branch_population.firing()
+    assert controller(Scripted())._branch_firing("a") == (0.0, 0.0)  # no branch seen: none fires
+
+
+def test_the_count_of_branches_that_fire_is_exact_for_a_few_and_bounded_for_many():
+    """Up to _Branches.EXACT branches: the Poisson-binomial law of how many fire, checked
+    against enumerating every outcome. Beyond: three points with the count's mean and
+    variance, so a step's price costs three lookups of the curve at any batch size."""
+    rng = random.Random(7)
+    ps = [rng.uniform(0.05, 0.9) for _ in range(_Branches.EXACT)]
+    branches = _Branches()
+    for p in ps:
+        branches.add(p, 8.0)
+    law = [0.0] * (len(ps) + 1)
+    for fired in itertools.product([0, 1], repeat=len(ps)):
+        weight = 1.0
+        for f, p in zip(fired, ps):
+            weight *= p if f else 1.0 - p
+        law[sum(fired)] += weight
+    points = dict(branches.points())
+    for count, weight in enumerate(law):
+        if weight > 1e-4:
+            assert points[count * 8.0] == pytest.approx(weight, rel=1e-3)  # the few < 1e-4 left out
+    many = _Branches()
+    many.add(0.25, 8.0, times=32)
+    (low, w0), (mid, w1), (high, w2) = many.points()
+    assert w0 + w1 + w2 == pytest.approx(1.0)
+    assert w0 * low + w1 * mid + w2 * high == pytest.approx(32 * 0.25 * 8.0)  # the mean rows
+    variance = w0 * (low - mid) ** 2 + w2 * (high - mid) ** 2
+    assert variance == pytest.approx(32 * 0.25 * 0.75 * 8.0 ** 2)
+
+
+def test_a_branch_is_priced_on_the_steps_where_it_fires_not_at_its_mean_rows():
+    """A step-shaped curve (10 ms up to 12 rows, 30 above) and a branch of 8 rows that fires
+    on a quarter of the steps. A tree of 8 (9 rows) accepting 1.28x what the chain of 3 does
+    costs 10 ms without its branch and 30 with it: 15 on average, where the chain (12 rows
+    with its branch) costs 10 either way. Priced at the mean rows (9 + 2 = 11: 10 ms) the tree
+    looked as cheap as the chain and was taken (AMD EPYC Zen 5, session 30: trees under-priced
+    by ~3.6 ms a step with their branch)."""
+    cost = Scripted()
+    cost.step_ms = lambda rows: 10.0 if rows <= 12 else 30.0
+    ctl = controller(cost)
+    train(ctl, "t", 2, k=3)  # chains: the third draft misses
+    for _ in range(20):
+        ctl.observe("t", 3, 3, tree=True)
+    ctl.branch["t"] = BranchYield(ctl.config.alpha, rows=2.0, fires=0.25, steps=20)
+    options = tree_options(8, 3, 16)
+    tree, chain = options[-1], options[-2]
+    assert 1.2 < ctl._tokens("t", tree) / ctl._tokens("t", chain) < 1.5
+    assert ctl.choose([Candidate("t", options)]) == [chain]
+    ctl.branch["t"] = BranchYield(ctl.config.alpha, rows=8.0, fires=1.0, steps=20)  # a branch every step:
+    assert ctl.choose([Candidate("t", options)]) == [chain]  # the tree costs 30 ms a step
+    ctl.branch["t"] = BranchYield(ctl.config.alpha, rows=0.0, fires=0.0, steps=20)  # none:
+    assert ctl.choose([Candidate("t", options)]) == [tree]  # the tree's 9 rows cost what the chain's do
 
 
 def test_a_batch_is_not_hopeless_while_a_longer_chain_pays():
