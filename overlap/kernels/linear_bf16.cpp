@@ -131,9 +131,10 @@ inline int64_t padded_k(int64_t k) { return (k + KSTEP - 1) / KSTEP * KSTEP; }
 // a packed block to prefetch meanwhile (tile_sums.h).
 template <int R, typename X, typename W, typename Out>
 inline void tile(const X* x, int64_t xk, const W* block, int64_t kp, const float* bias,
-                 Out* y, int64_t n, int64_t r0, int64_t c0, const bf16* ahead = nullptr) {
+                 Out* y, int64_t n, int64_t r0, int64_t c0, const bf16* ahead = nullptr, int part = 0,
+                 int parts = 1) {
   float sums[R][NB];
-  tile_sums<R, X, W, bf16>(x, xk, block, kp, r0, sums, ahead);
+  tile_sums<R, X, W, bf16>(x, xk, block, kp, r0, sums, ahead, part, parts);
   const int64_t cols = std::min<int64_t>(NB, n - c0);
   for (int r = 0; r < R; ++r)
     for (int64_t c = 0; c < cols; ++c) {
@@ -221,14 +222,14 @@ inline float* scratch(int slot, int64_t size) {
 // argument, so a tile's accumulators are registers, not an array.
 template <int R, typename X, typename W, typename Out>
 inline void tile_of(int rows, const X* x, int64_t xk, const W* block, int64_t kp, const float* bias,
-                    Out* y, int64_t n, int64_t r0, int64_t c0, const bf16* ahead = nullptr) {
+                    Out* y, int64_t n, int64_t r0, int64_t c0, const bf16* ahead, int part, int parts) {
   switch (rows) {
-    case 6: if constexpr (R >= 6) tile<6>(x, xk, block, kp, bias, y, n, r0, c0, ahead); break;
-    case 5: if constexpr (R >= 5) tile<5>(x, xk, block, kp, bias, y, n, r0, c0, ahead); break;
-    case 4: if constexpr (R >= 4) tile<4>(x, xk, block, kp, bias, y, n, r0, c0, ahead); break;
-    case 3: tile<3>(x, xk, block, kp, bias, y, n, r0, c0, ahead); break;
-    case 2: tile<2>(x, xk, block, kp, bias, y, n, r0, c0, ahead); break;
-    default: tile<1>(x, xk, block, kp, bias, y, n, r0, c0, ahead); break;
+    case 6: if constexpr (R >= 6) tile<6>(x, xk, block, kp, bias, y, n, r0, c0, ahead, part, parts); break;
+    case 5: if constexpr (R >= 5) tile<5>(x, xk, block, kp, bias, y, n, r0, c0, ahead, part, parts); break;
+    case 4: if constexpr (R >= 4) tile<4>(x, xk, block, kp, bias, y, n, r0, c0, ahead, part, parts); break;
+    case 3: tile<3>(x, xk, block, kp, bias, y, n, r0, c0, ahead, part, parts); break;
+    case 2: tile<2>(x, xk, block, kp, bias, y, n, r0, c0, ahead, part, parts); break;
+    default: tile<1>(x, xk, block, kp, bias, y, n, r0, c0, ahead, part, parts); break;
   }
 }
 
@@ -238,10 +239,16 @@ inline void tile_of(int rows, const X* x, int64_t xk, const W* block, int64_t kp
 // accumulators leave the FMA units waiting on each other's latency, so a 1-row tail tile costs
 // about what a full one does. The split changes no output's FMA sequence.
 //
-// The last tile prefetches `next`, the following packed block: the first tile streams its
-// block from memory, but the others (and the widened path's tiles) read it from cache, and
-// the memory bus would idle under them (Zen 3, 30 layers + lm_head, each row count timed
-// with and without, interleaved: 5-15% less at 1-12 rows).
+// Every tile prefetches its share of `next`, the following packed block (tile t of T: the
+// lines of every T-th k step from the t-th): the block a tile walks is already in cache
+// (prefetched while the previous block was walked), so memory streams only what the tiles
+// ask ahead, and a tile that asked nothing left the bus idle under its compute (Zen 3, 30
+// layers + lm_head, prefetching against none: 5-15% less at 1-12 rows). Only the last tile
+// prefetched before, and each tile beyond the first added its compute to the weights'
+// stream: a verify over 16-17 rows cost 1.4x one over 1; shared, it costs ~1.15x (Zen 5,
+// avx512bf16, runs/prof/linear_rows.py, the model's linears alone, old / new alternately:
+// 16 rows 10.8-14.4 -> 8.8-9.9 ms, 8-12 rows ~0.4 ms less, 1-6 rows alike; AVX-512F 16
+// rows 18.6 -> 15.9, AVX2 24.2 -> 22.1).
 template <int R, typename X, typename W, typename Out>
 inline void rows_of_block(const X* x, int64_t xk, const W* block, int64_t kp, const float* bias,
                           Out* y, int64_t m, int64_t n, int64_t c0, const bf16* next) {
@@ -249,8 +256,7 @@ inline void rows_of_block(const X* x, int64_t xk, const W* block, int64_t kp, co
   const int64_t tiles = (m + R - 1) / R, base = m / tiles, longer = m % tiles;
   for (int64_t t = 0, r = 0; t < tiles; ++t) {
     const int rows = int(base + (t < longer));
-    const bf16* ahead = t == tiles - 1 ? next : nullptr;
-    tile_of<R>(rows, x, xk, block, kp, bias, y, n, r, c0, ahead);
+    tile_of<R>(rows, x, xk, block, kp, bias, y, n, r, c0, next, int(t), int(tiles));
     r += rows;
   }
 }
