@@ -98,11 +98,13 @@ inline int64_t padded_k(int64_t k) { return (k + KSTEP - 1) / KSTEP * KSTEP; }
 
 // Rows r0..r0+R of x against one column block (tile_sums.h), then the scales and the bias.
 // row_scale: the f32 scale of each quantized x row (nullptr: x rows are f32 as they are).
+// ahead, part, parts: the next block's prefetch, shared among the block's tiles (tile_sums.h).
 template <int R, typename Out>
 inline void tile(const XRow* x, const float* row_scale, int64_t kp, const int8_t* block,
-                 const float* scale, const float* bias, Out* y, int64_t n, int64_t r0, int64_t c0) {
+                 const float* scale, const float* bias, Out* y, int64_t n, int64_t r0, int64_t c0,
+                 const int8_t* ahead, int part, int parts) {
   float sums[R][NB];
-  tile_sums<R>(x, kp, block, kp, r0, sums);
+  tile_sums<R>(x, kp, block, kp, r0, sums, ahead, part, parts);
   const int64_t cols = std::min<int64_t>(NB, n - c0);
   for (int r = 0; r < R; ++r) {
     const float rs = row_scale ? row_scale[r0 + r] : 1.0f;
@@ -118,16 +120,24 @@ template <typename Out>
 void run(const XRow* x, const float* row_scale, int64_t kp, const int8_t* packed, const float* scale,
          const float* bias, Out* y, int64_t m, int64_t n) {
   const int64_t blocks = (n + NB - 1) / NB;
+  const int parts = int((m + ROWS - 1) / ROWS);  // tiles a block takes
   overlap::parallel_for(blocks, 2, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int8_t* block = packed + b * kp * NB;
+      // The next block streams in while this one's tiles compute, each tile asking for its
+      // share, as linear_bf16.cpp's rows_of_block does. A head pass runs right after the
+      // target's forward has evicted its weights: without it a pass's first reads of every
+      // block waited on memory.
+      const int8_t* ahead = b + 1 < blocks ? block + kp * NB : nullptr;
       const int64_t c0 = b * NB;
       int64_t r = 0;
-      for (; r + ROWS <= m; r += ROWS) tile<ROWS>(x, row_scale, kp, block, scale, bias, y, n, r, c0);
+      int part = 0;
+      for (; r + ROWS <= m; r += ROWS, ++part)
+        tile<ROWS>(x, row_scale, kp, block, scale, bias, y, n, r, c0, ahead, part, parts);
       switch (m - r) {  // the tile sizes are template arguments: registers, not arrays
-        case 3: tile<3>(x, row_scale, kp, block, scale, bias, y, n, r, c0); break;
-        case 2: tile<2>(x, row_scale, kp, block, scale, bias, y, n, r, c0); break;
-        case 1: tile<1>(x, row_scale, kp, block, scale, bias, y, n, r, c0); break;
+        case 3: tile<3>(x, row_scale, kp, block, scale, bias, y, n, r, c0, ahead, part, parts); break;
+        case 2: tile<2>(x, row_scale, kp, block, scale, bias, y, n, r, c0, ahead, part, parts); break;
+        case 1: tile<1>(x, row_scale, kp, block, scale, bias, y, n, r, c0, ahead, part, parts); break;
         default: break;
       }
     }
