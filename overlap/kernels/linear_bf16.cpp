@@ -245,9 +245,9 @@ inline void tile_of(int rows, const X* x, int64_t xk, const W* block, int64_t kp
 // ask ahead, and a tile that asked nothing left the bus idle under its compute (Zen 3, 30
 // layers + lm_head, prefetching against none: 5-15% less at 1-12 rows). Only the last tile
 // prefetched before, and each tile beyond the first added its compute to the weights'
-// stream: a verify over 16-17 rows cost 1.4x one over 1; shared, it costs ~1.15x (Zen 5,
+// stream: a verify over 16-17 rows cost 1.4-1.8x one over 1; shared, it costs ~1.2x (Zen 5,
 // avx512bf16, runs/prof/linear_rows.py, the model's linears alone, old / new alternately:
-// 16 rows 10.8-14.4 -> 8.8-9.9 ms, 8-12 rows ~0.4 ms less, 1-6 rows alike; AVX-512F 16
+// 16 rows 10.8-14.4 -> 8.8-9.0 ms, 8-12 rows 8.8-11.5 -> 8.5-9.2, 1-6 rows alike; AVX-512F 16
 // rows 18.6 -> 15.9, AVX2 24.2 -> 22.1).
 template <int R, typename X, typename W, typename Out>
 inline void rows_of_block(const X* x, int64_t xk, const W* block, int64_t kp, const float* bias,
