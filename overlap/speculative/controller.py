@@ -51,9 +51,10 @@ drafts' acceptance predicted, and rows: how often its lookup matches and how man
 verifies) is added to each of its options that draft: the tokens to the option's, the rows
 as a branch that fires or not, the step priced at its expected cost over how many of the
 batch's branches fire (`_Branches`: the curve rises in steps, and its cost at the expected
-rows under-priced a tree with its branch by ~3.6 ms). Without it the controller priced a chain of 3 as 4 rows where the step verified
-up to 12, and counted none of the copied tokens: at concurrency 8 on the Xeon it ran at
-0.90-0.98x of plain decoding where fixed drafts with the branch ran at 1.05-1.20x (session 21).
+rows under-priced a tree with its branch by ~3.6 ms). Without it the controller priced a
+chain of 3 as 4 rows where the step verified up to 12, and counted none of the copied
+tokens: at concurrency 8 on the Xeon it ran at 0.90-0.98x of plain decoding where fixed
+drafts with the branch ran at 1.05-1.20x (session 21).
 
 Pure and deterministic given its inputs: tests drive it with a scripted cost model.
 """
@@ -569,9 +570,10 @@ class BranchYield:
 
     def observe(self, rows: int, extra_tokens: float) -> None:
         if not self.steps:
-            source = self if self.base is None or not self.base.steps else self.base
-            self.rows, self.tokens, self.fires = (rows, extra_tokens, float(rows > 0)) if source is self \
-                else (source.rows, source.tokens, source.fires)
+            if self.base is None or not self.base.steps:  # the first measurement anywhere: taken whole
+                self.rows, self.tokens, self.fires = rows, extra_tokens, float(rows > 0)
+            else:  # from every request's, then moved by its own
+                (self.rows, self.tokens), self.fires = self.base.expected(), self.base.fires
         self.steps += 1
         self.rows += self.alpha * (rows - self.rows)
         self.tokens += self.alpha * (extra_tokens - self.tokens)
@@ -585,7 +587,7 @@ class _Branches:
     (a Poisson-binomial count), each that fires adding the branches' mean length.
 
     Not the cost at the expected rows: the curve rises in steps (a register tile of the
-    linear kernel holds 6 rows), and at batch 1 a tree of 9 rows with a branch of 8 fired on
+    linear kernel holds 6 rows on AVX-512 BF16), and at batch 1 a tree of 9 rows with a branch of 8 fired on
     ~25% of the steps: priced at 9 + 2 rows, 19.3 ms predicted, where a step with the branch
     took 22.9 and one without 19.4; a chain of 3 was over-priced by ~0.5 ms the other way,
     and the controller gave the tree half the steps where chains alone ran 6.5% faster (AMD
@@ -878,6 +880,8 @@ class SpeculationController:
                 c = candidates[i]
                 cur, nxt = c.options[level[i]], c.options[level[i] + 1]
                 gain = self._tokens(c.key, nxt) - self._tokens(c.key, cur)
+                # Ordered per expected row (a branch at its mean rows); the rate below prices it
+                # as it fires.
                 heapq.heappush(heap, (-gain / max(1.0, self._rows(c.key, nxt) - self._rows(c.key, cur)), i))
 
         heap: list = []
