@@ -240,7 +240,7 @@ inline void tile_of(int rows, const X* x, int64_t xk, const W* block, int64_t kp
 // about what a full one does. The split changes no output's FMA sequence.
 //
 // Every tile prefetches its share of `next`, the following packed block (tile t of T: the
-// lines of every T-th k step from the t-th): the block a tile walks is already in cache
+// t-th T-th of it, in order; tile_sums.h): the block a tile walks is already in cache
 // (prefetched while the previous block was walked), so memory streams only what the tiles
 // ask ahead, and a tile that asked nothing left the bus idle under its compute (Zen 3, 30
 // layers + lm_head, prefetching against none: 5-15% less at 1-12 rows). Only the last tile
