@@ -127,12 +127,11 @@ inline int64_t padded_k(int64_t k) { return (k + KSTEP - 1) / KSTEP * KSTEP; }
 #include "tile_sums.h"
 
 // Rows r0..r0+R of x against column block b (tile_sums.h), then the bias and the rounding.
-// X, W: bf16 (the direct path) or f32 (the widened one); the same FMAs either way. `ahead`:
-// a packed block to prefetch meanwhile (tile_sums.h).
+// X, W: bf16 (the direct path) or f32 (the widened one); the same FMAs either way. `ahead`,
+// `part` of `parts`: the next packed block and this tile's share of its prefetch (tile_sums.h).
 template <int R, typename X, typename W, typename Out>
 inline void tile(const X* x, int64_t xk, const W* block, int64_t kp, const float* bias,
-                 Out* y, int64_t n, int64_t r0, int64_t c0, const bf16* ahead = nullptr, int part = 0,
-                 int parts = 1) {
+                 Out* y, int64_t n, int64_t r0, int64_t c0, const bf16* ahead, int part, int parts) {
   float sums[R][NB];
   tile_sums<R, X, W, bf16>(x, xk, block, kp, r0, sums, ahead, part, parts);
   const int64_t cols = std::min<int64_t>(NB, n - c0);

@@ -587,11 +587,11 @@ class _Branches:
     (a Poisson-binomial count), each that fires adding the branches' mean length.
 
     Not the cost at the expected rows: the curve rises in steps (a register tile of the
-    linear kernel holds 6 rows on AVX-512 BF16), and at batch 1 a tree of 9 rows with a branch of 8 fired on
-    ~25% of the steps: priced at 9 + 2 rows, 19.3 ms predicted, where a step with the branch
-    took 22.9 and one without 19.4; a chain of 3 was over-priced by ~0.5 ms the other way,
-    and the controller gave the tree half the steps where chains alone ran 6.5% faster (AMD
-    EPYC Zen 5, session 30; docs/controller.md). Exact up to `EXACT` branches (at most
+    linear kernel holds 6 rows on AVX-512 BF16), and at batch 1 a tree of 9 rows with a branch
+    of 8 that fired on ~25% of the steps was priced at 9 + 2 rows, 19.3 ms, where a step with
+    the branch took 22.9 and one without 19.4; a chain of 3 was over-priced by ~0.5 ms the
+    other way, and the controller gave the tree half the steps where chains alone ran 6.5%
+    faster (AMD EPYC Zen 5, session 30; docs/controller.md). Exact up to `EXACT` branches (at most
     EXACT + 1 points of the curve); beyond, where the count's spread covers a smooth stretch
     of the curve, three points of a normal with its mean and variance (Gauss-Hermite: exact
     for a curve of degree 5 or less), so a step's price costs a bounded number of lookups
