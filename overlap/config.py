@@ -100,12 +100,9 @@ class SpecConfig:
     head: str | None = None  # mtp / eagle: the MTP head's directory (tools/train_mtp.py)
     tree_depth: int = 3  # eagle: levels below the root
     tree_topk: int = 2  # eagle: children per node at most
-    # eagle: nodes verified per step. 7: with the root and an 8-token lookup branch, 16 rows,
-    # one AMX row tile of the CPU bf16 matmuls; since attention sums old values on tiles
-    # (session 26) 7 nodes ran 1.2-1.4% faster than 5 at batch 1, paired (6 and 8 had tied
-    # before it; at batch 8 it is 2.8% slower than 5: docs/mtp_eagle.md, "Session 26"). A GPU
-    # verifies 9-16 rows at about one row's cost.
-    tree_tokens: int = 7
+    # eagle: nodes verified per step; None: the size measured best where the tree is verified
+    # (default_tree_tokens: 7 on AMX CPUs and GPUs, 5 on the other CPUs).
+    tree_tokens: int | None = None
     tree: str = "static"  # eagle: static (fixed shape) | dynamic (EAGLE-2)
     # mtp / eagle: the head scores only the N most frequent tokens (0: the full vocabulary;
     # None: the head's own choice, its config's `draft_vocab`, 4,096 for the shipped head);
@@ -163,6 +160,33 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+def default_tree_tokens(device: str) -> int:
+    """EAGLE's tree size where spec.tree_tokens is unset, by what verifies the tree.
+
+    7 nodes on an AMX CPU: with the root and an 8-token lookup branch, 16 rows, one AMX row
+    tile of the bf16 matmuls, and since attention sums old values on tiles 7 ran 1.2-1.4%
+    faster than 5 at batch 1, paired (docs/mtp_eagle.md, "Session 26"). On a GPU too, which
+    verifies 9-16 rows at about one row's cost. 5 on the other CPUs: their matmuls tile 6
+    rows (overlap/kernels/linear_bf16.cpp), which 5 nodes and the root fill, where 7 take a
+    second tile; on an AMD EPYC Zen 5 (avx512bf16) 5 nodes ran 4% faster than 7 fixed in two
+    runs and 1.00-1.03x with the controller (docs/mtp_eagle.md, "Session 32")."""
+    if device.startswith("cuda"):
+        return 7
+    import os
+
+    from overlap.kernels import VARIANTS, choose_variant, cpu_flags
+
+    variant = choose_variant(cpu_flags(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
+    return 7 if VARIANTS[variant][0] == "amx" else 5
+
+
+def tree_tokens(config: EngineConfig) -> int:
+    """The EAGLE tree's nodes this engine verifies: spec.tree_tokens, else the device's default."""
+    if config.spec.tree_tokens is not None and config.spec.tree_tokens < 1:
+        raise ValueError(f"spec.tree_tokens must be at least 1, got {config.spec.tree_tokens}")
+    return config.spec.tree_tokens or default_tree_tokens(config.device)
 
 
 def check_device(device: str, attention_backend: str = "auto") -> None:

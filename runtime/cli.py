@@ -121,8 +121,8 @@ def _add_engine_options(p: argparse.ArgumentParser, bench: bool = False) -> None
                    help="MTP head directory for --spec mtp/eagle (default: the shipped head of the default model)")
     g.add_argument("--tree-depth", type=_positive_int, metavar="D", help="--spec eagle: tree levels (default 3)")
     g.add_argument("--tree-topk", type=_positive_int, metavar="K", help="--spec eagle: children per node (default 2)")
-    g.add_argument("--tree-tokens", type=_positive_int, metavar="N", help="--spec eagle: tree nodes (default 7: with the root and an 8-token lookup "
-                        "branch, one 16-row tile of the CPU matmuls; bench: eagle:N runs a tree of N nodes)")
+    g.add_argument("--tree-tokens", type=_positive_int, metavar="N", help="--spec eagle: tree nodes (default: 7 on AMX CPUs and GPUs, 5 on other "
+                        "CPUs, whose matmuls tile 6 rows; bench: eagle:N runs a tree of N nodes)")
     g.add_argument("--draft-vocab", type=_non_negative_int, metavar="N", nargs="+" if bench else None,
                    help="--spec mtp/eagle: the head scores only the N most frequent tokens (FR-Spec; e.g. 4096), "
                         "a cheaper draft step; 0 = the full vocabulary; default: the head's own (its config's "

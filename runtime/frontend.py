@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from overlap.config import EngineConfig, ModelConfig
+from overlap.config import EngineConfig, ModelConfig, tree_tokens
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.messages import RequestError, SamplingParams
 from runtime.origins import spans, token_depths
@@ -27,7 +27,8 @@ class RequestLimits:
 
     @classmethod
     def of(cls, config: EngineConfig, model: ModelConfig) -> "RequestLimits":
-        spec = {"none": 0, "eagle": config.spec.tree_tokens}.get(config.spec.method, config.spec.num_spec_tokens)
+        method = config.spec.method
+        spec = 0 if method == "none" else tree_tokens(config) if method == "eagle" else config.spec.num_spec_tokens
         return cls(model.vocab_size, min(config.scheduler.max_model_len, model.max_position),
                    config.cache.num_pages, config.cache.page_size, spec, tree=config.spec.method == "eagle")
 

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from overlap.config import check_device, load_config
+from overlap import kernels
+from overlap.config import EngineConfig, SpecConfig, check_device, default_tree_tokens, load_config, tree_tokens
 
 
 def test_relative_paths_are_relative_to_the_config_file(tmp_path, monkeypatch):
@@ -47,3 +48,21 @@ def test_device_and_backend_checks():
 def test_cuda_without_a_device_says_so():
     with pytest.raises(ValueError, match="no CUDA device is available.*--device cpu"):
         check_device("cuda")
+
+
+def test_the_tree_size_follows_what_verifies_it(monkeypatch):
+    amx = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"}
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: amx)
+    assert default_tree_tokens("cpu") == 7  # one 16-row AMX tile with the root and an 8-token branch
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # the same CPU held to the 6-row tiles
+    assert default_tree_tokens("cpu") == 5
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert default_tree_tokens("cpu") == 5
+    assert default_tree_tokens("cuda") == 7
+    eagle = EngineConfig(spec=SpecConfig(method="eagle"))
+    assert tree_tokens(eagle) == 5
+    assert tree_tokens(eagle.replace(spec=SpecConfig(method="eagle", tree_tokens=8))) == 8
+    with pytest.raises(ValueError, match="tree_tokens must be at least 1"):
+        tree_tokens(eagle.replace(spec=SpecConfig(method="eagle", tree_tokens=0)))

@@ -19,7 +19,7 @@ import torch
 from overlap.attention import SeqAttention
 from overlap.attention.base import tree_mask_from_parents
 from overlap.attention.cpu import CpuBackend
-from overlap.config import SpecConfig
+from overlap.config import SpecConfig, default_tree_tokens
 from overlap.kernels import variant_name
 from overlap.kv import KVPool
 from overlap.speculative.tree import TreeShape
@@ -72,7 +72,7 @@ def cases() -> list[tuple[str, list[tuple[int, int]], torch.Tensor | None]]:
     # Batch 1, EAGLE's default tree with its root, and with an 8-token lookup branch as one
     # more child of the root: what a batch-1 verify pass reads a layer.
     spec = SpecConfig()
-    shipped = [-1] + TreeShape.default(spec.tree_depth, spec.tree_topk, spec.tree_tokens).parents()
+    shipped = [-1] + TreeShape.default(spec.tree_depth, spec.tree_topk, default_tree_tokens("cpu")).parents()
     n, branch = len(shipped), [0] + list(range(len(shipped), len(shipped) + 7))
     out.append(("decode b=1 ctx=300", [(299, 1)], None))
     out.append((f"tree {n - 1} nodes b=1 ctx=300", [(300 - n, n)], tree_mask_from_parents(shipped)))

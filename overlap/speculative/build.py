@@ -10,7 +10,7 @@ import torch
 
 from overlap import kernels
 from overlap.attention import make_backend
-from overlap.config import BRANCHED_METHODS, HEAD_METHODS, EngineConfig
+from overlap.config import BRANCHED_METHODS, HEAD_METHODS, EngineConfig, tree_tokens
 from overlap.models.heads import load_head
 from overlap.models.llama import LlamaModel
 from overlap.speculative.base import Proposer
@@ -93,7 +93,7 @@ def _head_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | 
     if spec.method == "mtp":
         return MTPProposer(head, backend, *pages, scratch_page)
     if spec.tree == "dynamic":
-        return DynamicEagleProposer(head, backend, *pages, spec.tree_depth, spec.tree_topk, spec.tree_tokens,
+        return DynamicEagleProposer(head, backend, *pages, spec.tree_depth, spec.tree_topk, tree_tokens(config),
                                     scratch_page)
-    shape = TreeShape.default(spec.tree_depth, spec.tree_topk, spec.tree_tokens)
+    shape = TreeShape.default(spec.tree_depth, spec.tree_topk, tree_tokens(config))
     return EagleProposer(head, backend, *pages, shape, scratch_page)

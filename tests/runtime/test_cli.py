@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from overlap.config import default_draft_dir, load_config
+from overlap.config import default_draft_dir, default_tree_tokens, load_config, tree_tokens
 from runtime import bench, cli
 from runtime.engine import Delta
 
@@ -275,7 +275,8 @@ def test_bench_eagle_n_runs_a_tree_of_n_nodes(prompts_file, monkeypatch):
     monkeypatch.setattr(bench, "run_bench", lambda variants, *a, **kw: seen.extend(variants) or {})
     monkeypatch.setattr(bench, "format_report", lambda report: "")
     assert cli.main(["bench", "--prompts", str(prompts_file), "--spec", "eagle:5", "eagle:8", "eagle"]) == 0
-    assert [(v.label, v.config.spec.tree_tokens) for v in seen] == [("eagle:5", 5), ("eagle:8", 8), ("eagle", 7)]
+    assert [(v.label, v.config.spec.tree_tokens) for v in seen] == [("eagle:5", 5), ("eagle:8", 8), ("eagle", None)]
+    assert tree_tokens(seen[2].config) == default_tree_tokens("cpu")
 
 
 def test_generate_takes_the_controller_switch():
