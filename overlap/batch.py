@@ -27,6 +27,10 @@ class SeqWork(msgspec.Struct, array_like=True, frozen=True):
     # tokens 0..start_pos found in the prefix cache, on a drafting sequence's first chunk after
     # the hit (else empty): for drafters that keep the sequence's tokens on the host
     reused_ids: list[int] = []
+    # The lookup branch's tokens, found by the scheduler on the sequence's host history before
+    # its controller chose (so it priced the branch as it is, not by how often one fires);
+    # None: not looked up there (lookup_branch.py then looks up itself).
+    branch: list[int] | None = None
 
     @property
     def end_pos(self) -> int:

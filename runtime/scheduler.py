@@ -22,6 +22,7 @@ import msgspec
 from overlap.batch import BatchPlan, SeqWork, StepOutput
 from overlap.config import BRANCHED_METHODS, SchedulerConfig
 from overlap.speculative.controller import Candidate, SpeculationController, chain_options, tree_options
+from overlap.speculative.ngram import lookup
 from runtime.messages import SamplingParams
 from runtime.pages import PageAllocator
 from runtime.prefix_cache import CacheChain, PrefixCache
@@ -66,28 +67,32 @@ class SeqUpdate:
 
 
 def spec_arguments(spec) -> dict:
-    """The Scheduler's tree_depth, tree_chains and lookup_branch for a SpecConfig (the engine's
-    scheduler and the server's build theirs alike): EAGLE's trees, with chains along a fixed
-    tree's top path; the rows of a model drafter's lookup branch (lookup_branch.py)."""
+    """The Scheduler's tree_depth, tree_chains, lookup_branch and lookup_match for a SpecConfig
+    (the engine's scheduler and the server's build theirs alike): EAGLE's trees, with chains
+    along a fixed tree's top path; the rows of a model drafter's lookup branch and the n-gram
+    lengths its lookup matches (lookup_branch.py)."""
     eagle = spec.method == "eagle"
     return {"tree_depth": spec.tree_depth if eagle else 0, "tree_chains": eagle and spec.tree == "static",
-            "lookup_branch": spec.lookup_branch if spec.method in BRANCHED_METHODS else 0}
+            "lookup_branch": spec.lookup_branch if spec.method in BRANCHED_METHODS else 0,
+            "lookup_match": (spec.lookup_min_match, max(spec.ngram_max, spec.lookup_min_match))}
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator,
                  eos_token_ids: tuple[int, ...] = (), controller: SpeculationController | None = None,
                  tree_depth: int = 0, clock=time.perf_counter, prefix_cache: PrefixCache | None = None,
-                 tree_chains: bool = False, lookup_branch: int = 0):
+                 tree_chains: bool = False, lookup_branch: int = 0, lookup_match: tuple[int, int] = (2, 3)):
         """controller: chooses each speculating decode's drafts per step (None: every one
         verifies its cap). tree_depth: EAGLE, a sequence's num_spec_tokens is a tree of that
         depth, not a chain; tree_chains: its drafter also grows chains of 1..tree_depth drafts
         along the tree's top path (EAGLE's fixed shape), which the controller may choose
         instead of the tree. lookup_branch: rows reserved per drafting step, beyond its drafts,
-        for the drafter's lookup branch (SeqWork.lookup_rows). prefix_cache: full pages shared
-        across requests (runtime/prefix_cache.py; None: off)."""
+        for the drafter's lookup branch (SeqWork.lookup_rows); lookup_match: the shortest and
+        longest suffix n-gram its lookup matches. prefix_cache: full pages shared across
+        requests (runtime/prefix_cache.py; None: off)."""
         self.config = config
         self.lookup_branch = lookup_branch
+        self.lookup_match = lookup_match
         self.controller = controller
         self.tree_depth = tree_depth
         self.tree_chains = tree_chains
@@ -175,7 +180,11 @@ class Scheduler:
     def _choose_drafts(self, works: list[SeqWork]) -> list[SeqWork]:
         spec = [i for i, w in enumerate(works) if w.draft and w.is_decode]
         others = [w for i, w in enumerate(works) if i not in set(spec)]
-        candidates = [Candidate(works[i].seq_id, self._options(works[i])) for i in spec]
+        # Each one's lookup branch, found now on its host history: the controller then prices
+        # the branches that will fire, at their rows (the drafter verifies these tokens).
+        branches = {i: self._lookup(works[i]) for i in spec}
+        candidates = [Candidate(works[i].seq_id, self._options(works[i]),
+                                None if branches[i] is None else len(branches[i])) for i in spec]
         chosen = dict(zip(spec, self.controller.choose(candidates, sum(len(w.token_ids) for w in others),
                                                        sum(1 for w in others if w.sample))))
         for c in candidates:
@@ -183,8 +192,17 @@ class Scheduler:
                 # Many steps without drafts: stop speculating for this request, so the drafter
                 # stops following it (its catch-up is what a "no drafts" step still costs).
                 self.by_seq[c.key].num_spec_tokens = 0
-        return [msgspec.structs.replace(w, num_spec_tokens=chosen[i].k) if i in chosen else w
+        return [msgspec.structs.replace(w, num_spec_tokens=chosen[i].k,
+                                        branch=branches[i] if chosen[i].depth else None) if i in chosen else w
                 for i, w in enumerate(works)]
+
+    def _lookup(self, work: SeqWork) -> list[int] | None:
+        """The lookup branch of a decoding sequence with rows reserved for one: the continuation
+        of its latest earlier suffix match (ngram.lookup; [] where none matched), None without
+        rows reserved."""
+        if not work.lookup_rows:
+            return None
+        return lookup(self.by_seq[work.seq_id].tokens, work.lookup_rows, *self.lookup_match)
 
     def _admits_drafts(self, seq: Sequence) -> bool:
         # Judged by every option that drafts (options[0] is plain decoding), in the batch of the

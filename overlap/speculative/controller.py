@@ -54,7 +54,13 @@ batch's branches fire (`_Branches`: the curve rises in steps, and its cost at th
 rows under-priced a tree with its branch by ~3.6 ms). Without it the controller priced a
 chain of 3 as 4 rows where the step verified up to 12, and counted none of the copied
 tokens: at concurrency 8 on the Xeon it ran at 0.90-0.98x of plain decoding where fixed
-drafts with the branch ran at 1.05-1.20x (session 21).
+drafts with the branch ran at 1.05-1.20x (session 21). Where the scheduler looked the branch
+up before the choice (Candidate.branch: the lookup runs on the host history, which is
+complete when the next step is planned) the branch is priced as it is: its rows if it
+matched, with the tokens branches won on the steps where they fired (`when_fired`), else
+nothing. Paired against pricing by how often it fires (AMD EPYC Zen 5, session 32): eagle
+0.993 / mtp:3 0.966 at concurrency 8 for the old pricing (about half the detachments), eagle
+0.993 at batch 1.
 
 Pure and deterministic given its inputs: tests drive it with a scripted cost model.
 """
@@ -106,6 +112,10 @@ class Candidate:
 
     key: Hashable  # the sequence (its acceptance history)
     options: list[SpecOption]  # options[0] is PLAIN; ordered by rows
+    # The rows of its lookup branch if it drafts this step, where the lookup ran before the
+    # choice (the scheduler's, on the host history; 0: nothing matched); None: not known, priced
+    # by how often its branch fires (_Branches).
+    branch: int | None = None
 
 
 class CostModel(Protocol):
@@ -548,6 +558,10 @@ class BranchYield:
     tokens: float = 0.0
     fires: float = 0.0  # of its drafting steps, the share where a lookup matched (rows > 0)
     steps: int = 0
+    # The tokens it wins on the steps where a lookup matched (`tokens` averages every drafting
+    # step, those without a branch too), and how many such steps it has seen.
+    fired_tokens: float = 0.0
+    fired_steps: int = 0
     base: "BranchYield | None" = None
 
     def expected(self) -> tuple[float, float]:
@@ -568,7 +582,23 @@ class BranchYield:
             return 0.0, 0.0
         return min(self.fires, 1.0), self.rows / self.fires
 
+    def when_fired(self) -> float:
+        """The tokens a drafting step's branch adds beyond the drafts' prediction where its
+        lookup matched (a step known to carry one)."""
+        if not self.fired_steps:
+            if self.base is not None and self.base.fired_steps:
+                return self.base.when_fired()
+            rows, tokens = self.expected()  # nothing seen fire: the average over the firing share
+            return tokens / self.fires if self.fires > 0.0 else tokens
+        return max(self.fired_tokens, 0.0)
+
     def observe(self, rows: int, extra_tokens: float) -> None:
+        if rows > 0:
+            if not self.fired_steps:  # its first: taken whole, or from every request's
+                base = self.base is not None and self.base.fired_steps
+                self.fired_tokens = self.base.fired_tokens if base else extra_tokens
+            self.fired_steps += 1
+            self.fired_tokens += self.alpha * (extra_tokens - self.fired_tokens)
         if not self.steps:
             if self.base is None or not self.base.steps:  # the first measurement anywhere: taken whole
                 self.rows, self.tokens, self.fires = rows, extra_tokens, float(rows > 0)
@@ -707,6 +737,9 @@ class SpeculationController:
         # with a branch is observed (a drafter without one never adds any).
         self.branch: dict[Hashable, BranchYield] = {}
         self.branch_population = BranchYield(config.population_alpha)
+        # The branch rows of this step's candidates whose lookup ran before the choice
+        # (Candidate.branch): priced as they are, not by how often their branches fire.
+        self._known_branch: dict[Hashable, int] = {}
         self.chosen = Counter()  # k (verify rows) chosen per decoding sequence, over all steps
         self.steps = 0
         self.plain_streak: Counter = Counter()  # key → consecutive steps it was given no drafts
@@ -724,13 +757,19 @@ class SpeculationController:
     def _branch(self, key: Hashable | None) -> tuple[float, float]:
         """(rows, tokens) the sequence's lookup branch adds to a drafting step (None: an average
         request's)."""
+        if key in self._known_branch:
+            rows = self._known_branch[key]
+            return (rows, self.branch.get(key, self.branch_population).when_fired()) if rows else (0.0, 0.0)
         if key is None or key not in self.branch:
             return self.branch_population.expected()
         return self.branch[key].expected()
 
     def _branch_firing(self, key: Hashable) -> tuple[float, float]:
         """(p, rows): how likely the sequence's lookup branch fires on a drafting step, and its
-        rows when it does (BranchYield.firing)."""
+        rows when it does (BranchYield.firing; a known branch fires or not)."""
+        if key in self._known_branch:
+            rows = self._known_branch[key]
+            return (1.0, float(rows)) if rows else (0.0, 0.0)
         return self.branch.get(key, self.branch_population).firing()
 
     def _drafted(self, key: Hashable | None, depth: int, tree: bool) -> float:
@@ -763,6 +802,7 @@ class SpeculationController:
         candidate (prefill chunks, sequences that do not speculate); other_tokens: the tokens
         those produce (one per chunk that ends its prompt, one per plain decode)."""
         self.steps += 1
+        self._known_branch = {c.key: c.branch for c in candidates if c.branch is not None}
         if not self.config.enabled:
             picked = [c.options[-1] for c in candidates]
         else:

@@ -99,9 +99,9 @@ class LookupBranch:
 
     def plan(self, batch: BatchPlan, sampled: list[SeqWork], ks: list[int], wait) -> DraftLayout:
         inner = self.inner.plan(batch, sampled, ks, wait)
-        # 1. a lookup for every sequence that drafts this step, within its reserved rows
-        found = [lookup(self.history.get(s.seq_id, []), min(self.length, s.lookup_rows), self.n_min, self.n_max)
-                 if k and s.lookup_rows else [] for s, k in zip(sampled, inner.num_drafts)]
+        # 1. a lookup for every sequence that drafts this step, within its reserved rows: the
+        # scheduler's where it looked up (what its controller priced), else on our history
+        found = [self._found(s) if k and s.lookup_rows else [] for s, k in zip(sampled, inner.num_drafts)]
         if not any(found):
             return inner  # the head's step as it was (its chain verification, its q)
         # 2. each sequence's nodes: the head's (chain or tree), then its branch from the root
@@ -137,6 +137,12 @@ class LookupBranch:
         tree = TreeLayout(parents, order, masks, max(max(d) for d in depths if d), max_children, top)
         return BranchedLayout(num_drafts, inner.width + self.length, depths, tree, tokens,
                               keep_hidden=inner.keep_hidden, device_fills=inner.tokens is None, inner=inner)
+
+    def _found(self, seq: SeqWork) -> list[int]:
+        rows = min(self.length, seq.lookup_rows)
+        if seq.branch is not None:
+            return seq.branch[:rows]
+        return lookup(self.history.get(seq.seq_id, []), rows, self.n_min, self.n_max)
 
     @staticmethod
     def _inner_shape(inner: DraftLayout, j: int, k: int) -> tuple[list[int], list[int]]:

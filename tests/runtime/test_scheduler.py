@@ -311,11 +311,12 @@ def test_the_engine_and_the_server_offer_eagle_chains_alike():
     from overlap.config import SpecConfig
     from runtime.scheduler import spec_arguments
 
-    assert spec_arguments(SpecConfig(method="eagle")) == {"tree_depth": 3, "tree_chains": True, "lookup_branch": 0}
+    assert spec_arguments(SpecConfig(method="eagle")) == {"tree_depth": 3, "tree_chains": True, "lookup_branch": 0,
+                                                          "lookup_match": (2, 3)}
     assert spec_arguments(SpecConfig(method="eagle", tree="dynamic")) == {
-        "tree_depth": 3, "tree_chains": False, "lookup_branch": 0}
-    assert spec_arguments(SpecConfig(method="mtp", lookup_branch=4)) == {
-        "tree_depth": 0, "tree_chains": False, "lookup_branch": 4}
+        "tree_depth": 3, "tree_chains": False, "lookup_branch": 0, "lookup_match": (2, 3)}
+    assert spec_arguments(SpecConfig(method="mtp", lookup_branch=4, lookup_min_match=3, ngram_max=5)) == {
+        "tree_depth": 0, "tree_chains": False, "lookup_branch": 4, "lookup_match": (3, 5)}
     # The model drafters take a branch; n-gram (a lookup itself) and none do not.
     assert spec_arguments(SpecConfig(method="draft", lookup_branch=4))["lookup_branch"] == 4
     assert spec_arguments(SpecConfig(method="ngram", lookup_branch=4))["lookup_branch"] == 0

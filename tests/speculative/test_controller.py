@@ -727,6 +727,46 @@ def test_a_branch_is_priced_on_the_steps_where_it_fires_not_at_its_mean_rows():
     assert ctl.choose([Candidate("t", options)]) == [tree]  # the tree's 9 rows cost what the chain's do
 
 
+def test_a_branch_looked_up_before_the_choice_is_priced_as_it_is():
+    """The scheduler looks the branch up before the choice (Candidate.branch): the tree is
+    taken on a step whose lookup found nothing (9 rows: 10 ms, as the chain) and the chain on
+    one whose lookup found 8 tokens (the tree's 17 rows cost 30 ms), where priced by how often
+    the branch fires (a quarter of the steps) the chain ran on both."""
+    cost = Scripted()
+    cost.step_ms = lambda rows: 10.0 if rows <= 12 else 30.0
+    ctl = controller(cost)
+    train(ctl, "t", 2, k=3)
+    for _ in range(20):
+        ctl.observe("t", 3, 3, tree=True)
+    ctl.branch["t"] = BranchYield(ctl.config.alpha, rows=2.0, fires=0.25, steps=20)
+    options = tree_options(8, 3, 16)
+    tree, chain = options[-1], options[-2]
+    assert ctl.choose([Candidate("t", options)]) == [chain]
+    assert ctl.choose([Candidate("t", options, branch=0)]) == [tree]
+    assert ctl.choose([Candidate("t", options, branch=8)]) == [chain]
+    assert ctl._branch_firing("t") == (1.0, 8.0) and ctl._rows("t", chain) == 3 + 8
+    assert ctl.choose([Candidate("t", options)]) == [chain]  # unknown again on the next step
+
+
+def test_a_known_branch_wins_what_branches_won_where_they_fired():
+    """A lookup that matches on one drafting step in four and then wins 4 tokens beyond the
+    chain's prediction: averaged over every drafting step it adds ~1 token, where it fired ~4;
+    a step known to carry it counts the 4, one known to carry none counts nothing."""
+    ctl = controller(Scripted())
+    for step in range(400):
+        fired = step % 4 == 0
+        ctl.observe("a", 11 if fired else 3, 7 if fired else 2, depth=3, branch_rows=8 if fired else 0)
+    drafted = ctl._drafted("a", 3, False)
+    assert ctl.branch["a"].when_fired() == pytest.approx(8 - drafted, abs=0.3)
+    assert ctl.branch["a"].expected()[1] == pytest.approx((8 - drafted) / 4, abs=0.4)
+    ctl.choose([Candidate("a", chain_options(3), branch=8)])
+    assert ctl._tokens("a", SpecOption(3, 3)) == pytest.approx(drafted + ctl.branch["a"].when_fired())
+    ctl.choose([Candidate("a", chain_options(3), branch=0)])
+    assert ctl._tokens("a", SpecOption(3, 3)) == pytest.approx(drafted)
+    # A new request: what every request's branches won where they fired.
+    assert BranchYield(0.1, base=ctl.branch_population).when_fired() == ctl.branch_population.when_fired()
+
+
 def test_a_batch_is_not_hopeless_while_a_longer_chain_pays():
     """A price of speculating paid per step (9 ms here) that one draft's 0.9 tokens do not
     pay and a chain of 3 does: the batch does not rule drafts out, so a new request starts

@@ -13,6 +13,7 @@ from overlap.speculative.build import build_proposer
 from overlap.batch import BatchPlan, SeqOutput, SeqWork
 from overlap.speculative.base import DraftLayout, FinishedStep
 from overlap.speculative.lookup_branch import BranchedLayout, LookupBranch
+from overlap.speculative.ngram import lookup
 from runtime.engine import Engine
 from runtime.messages import SamplingParams
 from speculative.doubles import patch_verifier
@@ -81,6 +82,35 @@ def test_greedy_with_the_default_match_length_equals_plain(tiny_dirs, heads, gre
     branches = count_branches(eng)
     results = eng.generate(ps, SamplingParams(max_tokens=40, ignore_eos=True))
     assert [r.token_ids for r in results] == greedy_reference(ps, 40)
+    assert sum(branches) > 0
+
+
+@pytest.mark.parametrize("mode", ["mtp3", "eagle"])
+def test_the_drafter_verifies_the_branch_the_scheduler_looked_up(tiny_dirs, heads, greedy_reference, mode):
+    """The scheduler looks each branch up before its controller chooses (SeqWork.branch): on
+    every drafting step it is what the drafter's own lookup on its history finds, and a
+    scheduler that does not look up leaves the lookup to the drafter, with the same outputs."""
+    ps = [p * 2 for p in prompts(4, seed=150)]
+    eng = engine(tiny_dirs, heads, mode)
+    proposer, plan, seen = eng.executor.proposer, eng.executor.proposer.plan, []
+
+    def checking(batch, sampled, ks, wait):
+        for s, k in zip(sampled, ks):
+            if k and s.lookup_rows:
+                own = lookup(proposer.history.get(s.seq_id, []), min(proposer.length, s.lookup_rows),
+                             proposer.n_min, proposer.n_max)
+                seen.append((s.branch, own))
+        return plan(batch, sampled, ks, wait)
+    proposer.plan = checking
+    results = eng.generate(ps, SamplingParams(max_tokens=32, ignore_eos=True))
+    assert [r.token_ids for r in results] == greedy_reference(ps, 32)
+    assert sum(1 for branch, _ in seen if branch) > 0, "no step found a branch"
+    assert all(branch == own for branch, own in seen)
+    unlooked = engine(tiny_dirs, heads, mode)
+    unlooked.scheduler._lookup = lambda work: None
+    branches = count_branches(unlooked)
+    results = unlooked.generate(ps, SamplingParams(max_tokens=32, ignore_eos=True))
+    assert [r.token_ids for r in results] == greedy_reference(ps, 32)
     assert sum(branches) > 0
 
 
