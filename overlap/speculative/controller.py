@@ -59,7 +59,7 @@ up before the choice (Candidate.branch: the lookup runs on the host history, whi
 complete when the next step is planned) the branch is priced as it is: its rows if it
 matched, with the tokens branches won on the steps where they fired (`when_fired`), else
 nothing. Paired against pricing by how often it fires (AMD EPYC Zen 5, session 32): eagle
-0.993 / mtp:3 0.966 at concurrency 8 for the old pricing (about half the detachments), eagle
+0.953 / mtp:3 0.966 at concurrency 8 for the old pricing (which detached 2-3x as many), eagle
 0.993 at batch 1.
 
 Pure and deterministic given its inputs: tests drive it with a scripted cost model.
