@@ -192,8 +192,11 @@ class Scheduler:
                 # Many steps without drafts: stop speculating for this request, so the drafter
                 # stops following it (its catch-up is what a "no drafts" step still costs).
                 self.by_seq[c.key].num_spec_tokens = 0
+        # The branches as long as the controller chose to verify them this step.
+        cap = self.controller.branch_cap
         return [msgspec.structs.replace(w, num_spec_tokens=chosen[i].k,
-                                        branch=branches[i] if chosen[i].depth else None) if i in chosen else w
+                                        branch=branches[i][:cap] if chosen[i].depth and branches[i] is not None
+                                        else None) if i in chosen else w
                 for i, w in enumerate(works)]
 
     def _lookup(self, work: SeqWork) -> list[int] | None:

@@ -562,6 +562,10 @@ class BranchYield:
     # step, those without a branch too), and how many such steps it has seen.
     fired_tokens: float = 0.0
     fired_steps: int = 0
+    # reach[j - 1]: of the fired steps whose branch had j rows or more, the share that accepted
+    # j tokens or more (past the drafts' depth only the branch's can be): what the branch's
+    # rows past j add, so a branch cut to fewer rows is priced without them (`cut`).
+    reach: list = field(default_factory=list)
     base: "BranchYield | None" = None
 
     def expected(self) -> tuple[float, float]:
@@ -592,13 +596,27 @@ class BranchYield:
             return tokens / self.fires if self.fires > 0.0 else tokens
         return max(self.fired_tokens, 0.0)
 
-    def observe(self, rows: int, extra_tokens: float) -> None:
+    def cut(self, rows: int) -> float:
+        """The tokens a fired branch loses when only its first `rows` rows are verified (rows
+        past the drafts' depth): the reach of the positions cut off, up to the longest branch
+        seen. `fired_tokens` is kept as for a branch never cut (observe adds a cut step's back)."""
+        reach = self.reach if self.reach or self.base is None else self.base.reach
+        return sum(reach[rows:])
+
+    def observe(self, rows: int, extra_tokens: float, accepted: int = 0) -> None:
         if rows > 0:
+            extra_tokens += self.cut(rows)  # as if verified whole (its rows may have been cut)
             if not self.fired_steps:  # its first: taken whole, or from every request's
                 base = self.base is not None and self.base.fired_steps
                 self.fired_tokens = self.base.fired_tokens if base else extra_tokens
             self.fired_steps += 1
             self.fired_tokens += self.alpha * (extra_tokens - self.fired_tokens)
+            for j in range(rows):
+                hit = float(accepted > j)
+                if j < len(self.reach):
+                    self.reach[j] += self.alpha * (hit - self.reach[j])
+                else:
+                    self.reach.append(hit)
         if not self.steps:
             if self.base is None or not self.base.steps:  # the first measurement anywhere: taken whole
                 self.rows, self.tokens, self.fires = rows, extra_tokens, float(rows > 0)
@@ -740,6 +758,10 @@ class SpeculationController:
         # The branch rows of this step's candidates whose lookup ran before the choice
         # (Candidate.branch): priced as they are, not by how often their branches fire.
         self._known_branch: dict[Hashable, int] = {}
+        # The most rows of a known branch this step verifies (choose() sets it; the scheduler
+        # cuts each sequence's branch to it): see `_branch_caps`.
+        self._branch_cap = 0
+        self.branch_cap = 0
         self.chosen = Counter()  # k (verify rows) chosen per decoding sequence, over all steps
         self.steps = 0
         self.plain_streak: Counter = Counter()  # key → consecutive steps it was given no drafts
@@ -758,8 +780,12 @@ class SpeculationController:
         """(rows, tokens) the sequence's lookup branch adds to a drafting step (None: an average
         request's)."""
         if key in self._known_branch:
-            rows = self._known_branch[key]
-            return (rows, self.branch.get(key, self.branch_population).when_fired()) if rows else (0.0, 0.0)
+            full = self._known_branch[key]
+            if not full:
+                return 0.0, 0.0
+            rows = min(full, self._branch_cap)
+            branch = self.branch.get(key, self.branch_population)
+            return rows, max(branch.when_fired() - branch.cut(rows), 0.0)
         if key is None or key not in self.branch:
             return self.branch_population.expected()
         return self.branch[key].expected()
@@ -768,7 +794,7 @@ class SpeculationController:
         """(p, rows): how likely the sequence's lookup branch fires on a drafting step, and its
         rows when it does (BranchYield.firing; a known branch fires or not)."""
         if key in self._known_branch:
-            rows = self._known_branch[key]
+            rows = min(self._known_branch[key], self._branch_cap)
             return (1.0, float(rows)) if rows else (0.0, 0.0)
         return self.branch.get(key, self.branch_population).firing()
 
@@ -803,10 +829,19 @@ class SpeculationController:
         those produce (one per chunk that ends its prompt, one per plain decode)."""
         self.steps += 1
         self._known_branch = {c.key: c.branch for c in candidates if c.branch is not None}
+        longest = max(self._known_branch.values(), default=0)
+        self._branch_cap = longest
         if not self.config.enabled:
             picked = [c.options[-1] for c in candidates]
         else:
-            picked = self._search(candidates, other_rows, other_tokens)
+            best = None
+            for cap in self._branch_caps(candidates, longest):
+                self._branch_cap = cap
+                rate, options = self._search(candidates, other_rows, other_tokens)
+                if best is None or rate > best[0]:
+                    best = (rate, options, cap)
+            _, picked, self._branch_cap = best
+        self.branch_cap = self._branch_cap
         hopeless: dict[tuple, bool] = {}  # per set of options: the verdict is the batch's
         # The batch that could draft: candidates capped at plain decoding this step (no room
         # before max_tokens) decode beside it, as the other rows do.
@@ -903,7 +938,20 @@ class SpeculationController:
                 return False
         return True
 
-    def _search(self, candidates: list[Candidate], other_rows: int, other_tokens: int) -> list[SpecOption]:
+    @staticmethod
+    def _branch_caps(candidates: list[Candidate], longest: int) -> list[int]:
+        """The lengths a step may cut its known branches to: all of the longest, two thirds,
+        one third, never shorter than one row past the deepest draft (the drafts' positions
+        are not the branch's alone, so `BranchYield.cut` does not price them). A branch's last
+        rows win little (a copy that ran 8 tokens seldom runs 12) and cost rows: at batch 1
+        on the AMD EPYC a 12-token branch ran 2% faster than an 8-token one, at concurrency 8
+        5% slower (session 32), so the step weighs them against the curve."""
+        floor = max((c.options[-1].depth for c in candidates), default=0) + 1
+        caps = {longest} | {max(-(-longest * n // 3), floor) for n in (1, 2)}
+        return sorted(c for c in caps if c <= longest) or [longest]
+
+    def _search(self, candidates: list[Candidate], other_rows: int, other_tokens: int) -> tuple[float, list[SpecOption]]:
+        """(the best predicted rate, the options that make it)."""
         n = len(candidates)
         level = [0] * n  # index into each candidate's options
         rows = other_rows + n
@@ -947,7 +995,7 @@ class SpeculationController:
         final = [0] * n
         for i in path[:best_len]:
             final[i] += 1
-        return [c.options[final[i]] for i, c in enumerate(candidates)]
+        return best_rate, [c.options[final[i]] for i, c in enumerate(candidates)]
 
     # -- feedback ----------------------------------------------------------------------------
 
@@ -965,8 +1013,8 @@ class SpeculationController:
             extra = num_accepted + 1 - self._drafted(key, depth, tree)
             if key not in self.branch:
                 self.branch[key] = BranchYield(self.config.alpha, base=self.branch_population)
-            self.branch[key].observe(branch_rows, extra)
-            self.branch_population.observe(branch_rows, extra)
+            self.branch[key].observe(branch_rows, extra, num_accepted)
+            self.branch_population.observe(branch_rows, extra, num_accepted)
             # The acceptance learns positions 1..depth only: the deepest path may be the
             # branch's, and a miss past the option's depth is the branch's, not a draft the
             # option never made (a chain of 2 beside an 8-token branch that missed at once

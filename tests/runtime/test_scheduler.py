@@ -145,9 +145,11 @@ class FixedChoices:
     def __init__(self, pick):
         self.pick, self.asked, self.observed, self.steps, self.forgotten = pick, [], [], [], []
         self.catch_ups, self.branches, self.prompt_rows = [], [], []
+        self.known, self.branch_cap = [], 16  # the candidates' looked-up branch rows; the cut chosen
 
     def choose(self, candidates, other_rows=0, other_tokens=0):
         self.asked.append(([c.options for c in candidates], other_rows, other_tokens))
+        self.known.append([c.branch for c in candidates])
         return [c.options[min(self.pick, len(c.options) - 1)] for c in candidates]
 
     def observe(self, key, num_drafts, num_accepted, tree=False, depth=0, branch_rows=None, top_accepted=-1):
@@ -219,6 +221,28 @@ def test_the_step_is_priced_by_the_rows_it_verified():
     plan = s.schedule()
     s.update(plan, StepOutput(plan.step_id, [SeqOutput(plan.seqs[0].seq_id, [7], 3, 0, 3)]))  # no lookup matched
     assert ctl.branches[-1] == (3, 0)
+
+
+def test_the_branch_is_looked_up_before_the_choice_and_cut_as_chosen():
+    """A sequence whose tokens repeat: the scheduler finds its lookup branch on its tokens
+    before the controller chooses (Candidate.branch: its rows), and hands the drafter the
+    branch cut to the rows the controller chose to verify (SeqWork.branch)."""
+    ctl = FixedChoices(pick=3)
+    s = Scheduler(SchedulerConfig(), PageAllocator(64, 4), (2,), ctl, lookup_branch=6, lookup_match=(2, 3))
+    s.add("a", [5, 6, 7, 8, 9, 5, 6], SamplingParams(max_tokens=20), seed=0, num_spec_tokens=3)
+    s.add("b", [10, 11, 12, 13], SamplingParams(max_tokens=20), seed=0, num_spec_tokens=3)  # no repeat
+    fake_run(s)  # prefill: each samples 7 (fake_run)
+    ctl.branch_cap = 4
+    plan = s.schedule()
+    a, b = plan.seqs
+    # a: ... 5, 6, 7 matches 5, 6, 7 earlier; the copy runs 8, 9, 5, 6, 7, 8 (6 rows)
+    assert ctl.known[-1] == [6, 0]
+    assert a.branch == [8, 9, 5, 6] and a.lookup_rows == 6
+    assert b.branch == []
+    s.update(plan, StepOutput(plan.step_id, [SeqOutput(a.seq_id, [7]), SeqOutput(b.seq_id, [7])]))
+    ctl.pick = 0  # plain decoding: no branch to verify
+    plan = s.schedule()
+    assert [w.branch for w in plan.seqs] == [None, None]
 
 
 def test_a_step_without_branch_rows_reports_no_branch():

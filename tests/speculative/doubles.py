@@ -117,7 +117,8 @@ def patch_verifier(monkeypatch, bug: str, at_depth: int | None = None) -> None:
 class RandomChoices:
     """A speculation controller that picks each decoding sequence's option at random (seeded):
     every step mixes chains of different lengths, trees and plain rows, which a real
-    controller would only do on some workloads. Counts what it chose, per option."""
+    controller would only do on some workloads; and cuts the step's lookup branches to a
+    random length (branch_cap). Counts what it chose, per option."""
 
     def __init__(self, seed: int = 0, plain_weight: float = 0.25):
         import random
@@ -126,8 +127,10 @@ class RandomChoices:
         self.plain_weight = plain_weight
         self.chosen: dict[int, int] = {}
         self.mixed_steps = 0  # steps whose decoding sequences did not all get the same option
+        self.branch_cap = 16
 
     def choose(self, candidates, other_rows=0, other_tokens=0):
+        self.branch_cap = self.rng.choice([1, 3, 16])
         picked = []
         for c in candidates:
             if len(c.options) > 1 and self.rng.random() >= self.plain_weight:

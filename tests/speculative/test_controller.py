@@ -744,8 +744,36 @@ def test_a_branch_looked_up_before_the_choice_is_priced_as_it_is():
     assert ctl.choose([Candidate("t", options)]) == [chain]
     assert ctl.choose([Candidate("t", options, branch=0)]) == [tree]
     assert ctl.choose([Candidate("t", options, branch=8)]) == [chain]
-    assert ctl._branch_firing("t") == (1.0, 8.0) and ctl._rows("t", chain) == 3 + 8
+    # (its branch wins nothing here, so the step verifies it cut to the fewest rows offered)
+    assert ctl.branch_cap == 4 and ctl._branch_firing("t") == (1.0, 4.0) and ctl._rows("t", chain) == 3 + 4
     assert ctl.choose([Candidate("t", options)]) == [chain]  # unknown again on the next step
+
+
+def test_a_known_branch_is_cut_where_its_last_rows_cost_more_than_they_win():
+    """Branches of 12 rows whose copies run on: 8 tokens on every fired step, 12 on half of
+    them (the reach of rows 9-12: 0.5). Where a row costs little (batch 1) the step verifies
+    all 12; in a batch of 8 where each row costs a hundredth of the step, the last rows win
+    less than they cost and the branches are cut to 8 (never below a row past the drafts)."""
+    def trained(cost):
+        ctl = controller(cost)
+        for step in range(200):
+            for key in range(8):
+                ctl.observe(key, 12, 12 if step % 2 else 8, depth=3, branch_rows=12)
+        return ctl
+    cheap = trained(Scripted(base=10.0, per_row=0.001))
+    assert cheap.branch_population.reach[:8] == pytest.approx([1.0] * 8)
+    assert cheap.branch_population.reach[8:] == pytest.approx([0.5] * 4, abs=0.1)
+    assert cheap.choose([Candidate(0, chain_options(3), branch=12)]) == [SpecOption(3, 3)]
+    assert cheap.branch_cap == 12
+    # 12 rows priced whole: what the fired steps won, the chain's prediction aside
+    assert cheap._branch(0)[1] == pytest.approx(cheap.branch[0].when_fired())
+    steep = trained(Scripted(base=10.0, per_row=0.3))
+    picked = steep.choose([Candidate(k, chain_options(3), branch=12) for k in range(8)])
+    assert all(o.depth for o in picked) and steep.branch_cap == 8
+    assert steep._branch(0) == pytest.approx((8, steep.branch[0].when_fired() - 2.0), abs=0.4)
+    assert steep.choose([Candidate(0, chain_options(3), branch=0)]) and steep.branch_cap == 0
+    assert SpeculationController._branch_caps([Candidate(0, chain_options(3))], 12) == [4, 8, 12]
+    assert SpeculationController._branch_caps([Candidate(0, tree_options(7, 3, 7))], 2) == [2]
 
 
 def test_a_known_branch_wins_what_branches_won_where_they_fired():

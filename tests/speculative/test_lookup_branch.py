@@ -16,7 +16,7 @@ from overlap.speculative.lookup_branch import BranchedLayout, LookupBranch
 from overlap.speculative.ngram import lookup
 from runtime.engine import Engine
 from runtime.messages import SamplingParams
-from speculative.doubles import patch_verifier
+from speculative.doubles import RandomChoices, patch_verifier
 from speculative.engine_stats import check_engine_law, exact_law, sample
 from speculative.markov import law_rejected
 from speculative.test_spec_engine import prompts
@@ -112,6 +112,25 @@ def test_the_drafter_verifies_the_branch_the_scheduler_looked_up(tiny_dirs, head
     results = unlooked.generate(ps, SamplingParams(max_tokens=32, ignore_eos=True))
     assert [r.token_ids for r in results] == greedy_reference(ps, 32)
     assert sum(branches) > 0
+
+
+@pytest.mark.parametrize("mode", ["mtp3", "eagle", "draft3"])
+def test_greedy_with_branches_cut_by_the_controller_equals_plain(tiny_dirs, heads, greedy_reference, mode):
+    """The controller may verify a known branch's first rows only (branch_cap): with a
+    controller that cuts at random (1, 3 or all of the 4 rows) and mixes its options, outputs
+    stay the target's."""
+    ps = [p * 2 for p in prompts(4, seed=152)]
+    eng = engine(tiny_dirs, heads, mode)
+    eng.scheduler.controller = RandomChoices(seed=17, plain_weight=0.1)
+    plan, lengths = eng.executor.proposer.plan, set()
+
+    def recording(batch, sampled, ks, wait):
+        lengths.update(len(s.branch) for s, k in zip(sampled, ks) if k and s.branch)
+        return plan(batch, sampled, ks, wait)
+    eng.executor.proposer.plan = recording
+    results = eng.generate(ps, SamplingParams(max_tokens=32, ignore_eos=True))
+    assert [r.token_ids for r in results] == greedy_reference(ps, 32)
+    assert {1, 3, 4} <= lengths
 
 
 @pytest.mark.parametrize("mode", ["mtp1", "mtp3", "eagle", "draft3"])
