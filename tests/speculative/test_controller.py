@@ -744,8 +744,8 @@ def test_a_branch_looked_up_before_the_choice_is_priced_as_it_is():
     assert ctl.choose([Candidate("t", options)]) == [chain]
     assert ctl.choose([Candidate("t", options, branch=0)]) == [tree]
     assert ctl.choose([Candidate("t", options, branch=8)]) == [chain]
-    # (its branch wins nothing here, so the step verifies it cut to the fewest rows offered)
-    assert ctl.branch_cap == 4 and ctl._branch_firing("t") == (1.0, 4.0) and ctl._rows("t", chain) == 3 + 4
+    # (its branch wins nothing here either way: a tie keeps it whole)
+    assert ctl.branch_cap == 8 and ctl._branch_firing("t") == (1.0, 8.0) and ctl._rows("t", chain) == 3 + 8
     assert ctl.choose([Candidate("t", options)]) == [chain]  # unknown again on the next step
 
 
@@ -766,14 +766,30 @@ def test_a_known_branch_is_cut_where_its_last_rows_cost_more_than_they_win():
     assert cheap.choose([Candidate(0, chain_options(3), branch=12)]) == [SpecOption(3, 3)]
     assert cheap.branch_cap == 12
     # 12 rows priced whole: what the fired steps won, the chain's prediction aside
-    assert cheap._branch(0)[1] == pytest.approx(cheap.branch[0].when_fired())
+    assert cheap._branch(0)[1] == pytest.approx(cheap.branch[0].when_fired(12))
     steep = trained(Scripted(base=10.0, per_row=0.3))
     picked = steep.choose([Candidate(k, chain_options(3), branch=12) for k in range(8)])
     assert all(o.depth for o in picked) and steep.branch_cap == 8
-    assert steep._branch(0) == pytest.approx((8, steep.branch[0].when_fired() - 2.0), abs=0.4)
+    assert steep._branch(0) == pytest.approx((8, steep.branch[0].when_fired(8)))
+    assert steep.branch[0].when_fired(12) - steep.branch[0].when_fired(8) == pytest.approx(2.0, abs=0.4)
     assert steep.choose([Candidate(0, chain_options(3), branch=0)]) and steep.branch_cap == 0
     assert SpeculationController._branch_caps([Candidate(0, chain_options(3))], 12) == [4, 8, 12]
     assert SpeculationController._branch_caps([Candidate(0, tree_options(7, 3, 7))], 2) == [2]
+
+
+def test_rows_a_branch_never_verified_are_priced_as_its_copies_ran_on():
+    """A branch cut to 2 rows on every fired step still prices rows 3-4: the reach of the rows
+    seen, continued at their ratio (1.0, 0.8 -> 0.64, 0.512), so a cut is undone where the
+    curve makes rows cheap again; and what a fired step won is learned the same cut or whole."""
+    cut, whole = BranchYield(0.1), BranchYield(0.1)
+    for step in range(300):
+        cut.observe(2, 2.0 if step % 5 else 1.0, accepted=2 if step % 5 else 1)
+        whole.observe(4, 2.0 if step % 5 else 1.0, accepted=2 if step % 5 else 1)
+    assert cut.reach == pytest.approx([1.0, 0.8], abs=0.1)
+    assert cut.reached(4) == pytest.approx(sum(cut.reach) + cut.reach[1] ** 2 / cut.reach[0]
+                                           + cut.reach[1] ** 3 / cut.reach[0] ** 2)
+    assert cut.when_fired(2) == pytest.approx(whole.when_fired(2), abs=0.2)
+    assert BranchYield(0.1).reached(3) == 0.0  # nothing seen: no row wins anything yet
 
 
 def test_a_known_branch_wins_what_branches_won_where_they_fired():
@@ -785,14 +801,14 @@ def test_a_known_branch_wins_what_branches_won_where_they_fired():
         fired = step % 4 == 0
         ctl.observe("a", 11 if fired else 3, 7 if fired else 2, depth=3, branch_rows=8 if fired else 0)
     drafted = ctl._drafted("a", 3, False)
-    assert ctl.branch["a"].when_fired() == pytest.approx(8 - drafted, abs=0.3)
+    assert ctl.branch["a"].when_fired(8) == pytest.approx(8 - drafted, abs=0.3)
     assert ctl.branch["a"].expected()[1] == pytest.approx((8 - drafted) / 4, abs=0.4)
     ctl.choose([Candidate("a", chain_options(3), branch=8)])
-    assert ctl._tokens("a", SpecOption(3, 3)) == pytest.approx(drafted + ctl.branch["a"].when_fired())
+    assert ctl._tokens("a", SpecOption(3, 3)) == pytest.approx(drafted + ctl.branch["a"].when_fired(8))
     ctl.choose([Candidate("a", chain_options(3), branch=0)])
     assert ctl._tokens("a", SpecOption(3, 3)) == pytest.approx(drafted)
     # A new request: what every request's branches won where they fired.
-    assert BranchYield(0.1, base=ctl.branch_population).when_fired() == ctl.branch_population.when_fired()
+    assert BranchYield(0.1, base=ctl.branch_population).when_fired(8) == ctl.branch_population.when_fired(8)
 
 
 def test_a_batch_is_not_hopeless_while_a_longer_chain_pays():
