@@ -59,8 +59,8 @@ up before the choice (Candidate.branch: the lookup runs on the host history, whi
 complete when the next step is planned) the branch is priced as it is: its rows if it
 matched, with the tokens branches won on the steps where they fired (`when_fired`), else
 nothing. Paired against pricing by how often it fires (AMD EPYC Zen 5, session 32): eagle
-0.953 / mtp:3 0.966 at concurrency 8 for the old pricing (which detached 2-3x as many), eagle
-0.993 at batch 1. A known branch's length is a choice too: the step is searched with the
+0.953 / mtp:3 0.966 at concurrency 8 for the old pricing (which detached 2-3x as many; an A/A
+pair there spreads ~4%), eagle 0.993 at batch 1. A known branch's length is a choice too: the step is searched with the
 branches whole and cut (`_branch_caps`), each row priced by its reach over every request
 (`BranchYield.reached`), and the scheduler cuts them as chosen (`branch_cap`).
 
@@ -963,8 +963,8 @@ class SpeculationController:
         one third, never shorter than one row past the deepest draft (the drafts' positions
         are not the branch's alone, so `BranchYield.reached` does not price them). A branch's last
         rows win little (a copy that ran 8 tokens seldom runs 12) and cost rows: at batch 1
-        on the AMD EPYC a 12-token branch ran 2% faster than an 8-token one, at concurrency 8
-        5% slower (session 32), so the step weighs them against the curve."""
+        on the AMD EPYC a 12-token branch ran 2-3% faster than an 8-token one, at concurrency 8
+        up to 5% slower (session 32), so the step weighs them against the curve."""
         floor = max((c.options[-1].depth for c in candidates), default=0) + 1
         caps = {longest} | {max(-(-longest * n // 3), floor) for n in (1, 2)}
         return sorted(c for c in caps if c <= longest) or [longest]
