@@ -174,12 +174,9 @@ def default_tree_tokens(device: str) -> int:
     runs and 1.00-1.03x with the controller (docs/mtp_eagle.md, "Session 32")."""
     if device.startswith("cuda"):
         return 7
-    import os
+    from overlap.kernels import VARIANTS, machine_variant
 
-    from overlap.kernels import VARIANTS, choose_variant, cpu_flags
-
-    variant = choose_variant(cpu_flags(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
-    return 7 if VARIANTS[variant][0] == "amx" else 5
+    return 7 if VARIANTS[machine_variant()][0] == "amx" else 5
 
 
 def tree_tokens(config: EngineConfig) -> int:

@@ -64,6 +64,12 @@ def choose_variant(flags: set[str], isa_cap: str | None) -> int:
     return best
 
 
+def machine_variant() -> int:
+    """The ISA variant this machine's build runs (its CPU flags under any ONEDNN_MAX_CPU_ISA
+    cap), known without building or loading the kernels."""
+    return choose_variant(cpu_flags(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
+
+
 def _sources_digest() -> str:
     """The kernels' sources and this file (their flags and the build lock's protocol): a
     checkout that builds differently never shares a build folder with this one."""
@@ -78,15 +84,14 @@ def _sources_digest() -> str:
 def build_name() -> str:
     """This machine's kernel build: the variant and the sources' hash (what a cached
     measurement of step costs depends on, beside the machine)."""
-    variant = choose_variant(cpu_flags(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
-    return f"{VARIANTS[variant][0]}_{_sources_digest()}"
+    return f"{VARIANTS[machine_variant()][0]}_{_sources_digest()}"
 
 
 @functools.cache
 def _library():
     from torch.utils import cpp_extension
 
-    variant = choose_variant(cpu_flags(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
+    variant = machine_variant()
     name, flags, _ = VARIANTS[variant]
     # The sources' hash in the module name: two checkouts with different kernels (a branch, a
     # worktree, an upgrade) each keep their own build instead of rebuilding over each other.
