@@ -597,8 +597,9 @@ class BranchYield:
         if not self.fired_steps:
             if self.base is not None and self.base.fired_steps:
                 return self.base.when_fired(rows)
-            _, tokens = self.expected()  # nothing seen fire: the average over the firing share
-            return tokens / self.fires if self.fires > 0.0 else tokens
+            # None seen fire: the average over every drafting step, over the share that fires.
+            (_, tokens), (p, _) = self.expected(), self.firing()
+            return tokens / p if p > 0.0 else tokens
         return max(self.fired_tokens + self.reached(rows), 0.0)
 
     def reached(self, rows: int) -> float:
@@ -619,12 +620,13 @@ class BranchYield:
 
     def observe(self, rows: int, extra_tokens: float, accepted: int = 0) -> None:
         if rows > 0:
-            for j in range(rows if self.base is None else 0):  # kept over every request (reached)
-                hit = float(accepted > j)
-                if j < len(self.reach):
-                    self.reach[j] += self.alpha * (hit - self.reach[j])
-                else:
-                    self.reach.append(hit)
+            if self.base is None:  # the reach is kept over every request only (reached)
+                for j in range(rows):
+                    hit = float(accepted > j)
+                    if j < len(self.reach):
+                        self.reach[j] += self.alpha * (hit - self.reach[j])
+                    else:
+                        self.reach.append(hit)
             won = extra_tokens - self.reached(rows)
             if not self.fired_steps:  # its first: taken whole, or from every request's
                 base = self.base is not None and self.base.fired_steps
@@ -773,9 +775,8 @@ class SpeculationController:
         # The branch rows of this step's candidates whose lookup ran before the choice
         # (Candidate.branch): priced as they are, not by how often their branches fire.
         self._known_branch: dict[Hashable, int] = {}
-        # The most rows of a known branch this step verifies (choose() sets it; the scheduler
-        # cuts each sequence's branch to it): see `_branch_caps`.
-        self._branch_cap = 0
+        # The most rows of a known branch this step verifies (choose() sets it, trying each of
+        # `_branch_caps` while it searches; the scheduler cuts each sequence's branch to it).
         self.branch_cap = 0
         self.chosen = Counter()  # k (verify rows) chosen per decoding sequence, over all steps
         self.steps = 0
@@ -798,7 +799,7 @@ class SpeculationController:
             full = self._known_branch[key]
             if not full:
                 return 0.0, 0.0
-            rows = min(full, self._branch_cap)
+            rows = min(full, self.branch_cap)
             branch = self.branch.get(key, self.branch_population)
             return rows, branch.when_fired(rows)
         if key is None or key not in self.branch:
@@ -809,7 +810,7 @@ class SpeculationController:
         """(p, rows): how likely the sequence's lookup branch fires on a drafting step, and its
         rows when it does (BranchYield.firing; a known branch fires or not)."""
         if key in self._known_branch:
-            rows = min(self._known_branch[key], self._branch_cap)
+            rows = min(self._known_branch[key], self.branch_cap)
             return (1.0, float(rows)) if rows else (0.0, 0.0)
         return self.branch.get(key, self.branch_population).firing()
 
@@ -845,7 +846,7 @@ class SpeculationController:
         self.steps += 1
         self._known_branch = {c.key: c.branch for c in candidates if c.branch is not None}
         longest = max(self._known_branch.values(), default=0)
-        self._branch_cap = longest
+        self.branch_cap = longest
         if not self.config.enabled:
             picked = [c.options[-1] for c in candidates]
         else:
@@ -855,12 +856,11 @@ class SpeculationController:
             explore = self.config.explore_branches and self.steps % self.config.explore_branches == 0
             caps = [longest] if explore else self._branch_caps(candidates, longest)
             for cap in reversed(caps):  # a tie keeps the longest
-                self._branch_cap = cap
+                self.branch_cap = cap
                 rate, options = self._search(candidates, other_rows, other_tokens)
                 if best is None or rate > best[0]:
                     best = (rate, options, cap)
-            _, picked, self._branch_cap = best
-        self.branch_cap = self._branch_cap
+            _, picked, self.branch_cap = best
         hopeless: dict[tuple, bool] = {}  # per set of options: the verdict is the batch's
         # The batch that could draft: candidates capped at plain decoding this step (no room
         # before max_tokens) decode beside it, as the other rows do.
