@@ -11,6 +11,12 @@
 //
 // Work is split into contiguous chunks of task indices, one per thread; the split never
 // changes what a task computes, so kernels stay batch-invariant whatever the thread count.
+// The caller and the awake helpers claim chunks (an atomic counter) rather than each owning
+// one: with 2 cores the engine's other thread (the scheduler's Python beside the stream's
+// worker) often holds the helper's core, and a caller that waited for the helper's chunk
+// waited out the OS's time slice; claiming, it runs that chunk itself. Paired in one engine
+// (runs/prof/pool_ab8.py, AMD EPYC Zen 5): concurrency 8 plain decoding +11.8%, EAGLE +10.2%;
+// batch 1 +4.2% both (docs/fast_steps.md, "Session 33").
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -30,7 +36,7 @@ namespace overlap {
 class Pool {
  public:
   explicit Pool(int threads) : pid_(getpid()) {
-    for (int i = 1; i < threads; ++i) helpers_.emplace_back([this, i] { loop(i); });
+    for (int i = 1; i < threads; ++i) helpers_.emplace_back([this] { loop(); });
   }
   // Helpers are detached on exit: the process is ending, and joining could hang on a
   // helper asleep in a condition wait.
@@ -39,8 +45,11 @@ class Pool {
   int threads() const { return int(helpers_.size()) + 1; }
   pid_t pid() const { return pid_; }
 
-  // fn(begin, end) over [0, n), split into threads() contiguous chunks; the caller runs the
-  // first. Concurrent callers (another thread already inside) run their work inline.
+  // fn(begin, end) over [0, n), split into threads() contiguous chunks. The caller and any
+  // helper that is awake claim chunks until none is left, so the caller waits only for a
+  // chunk a helper is running, never for a helper the OS has not scheduled (on 2 cores the
+  // engine's other thread often holds the second core). Concurrent callers (another thread
+  // already inside) run their work inline.
   void run(int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
     if (!busy.owns_lock() || n < 2 || helpers_.empty()) {
@@ -49,38 +58,51 @@ class Pool {
     }
     job_ = &fn;
     n_ = n;
-    pending_.store(int(helpers_.size()), std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t gen = (claims_.load(std::memory_order_relaxed) >> kChunkBits) + 1;
     {
       std::lock_guard<std::mutex> lk(sleep_);
-      generation_.fetch_add(1, std::memory_order_release);
+      claims_.store(gen << kChunkBits, std::memory_order_release);  // a new job, no chunk claimed
     }
     wake_.notify_all();
-    chunk(0, fn);
-    while (pending_.load(std::memory_order_acquire) != 0) _mm_pause();
+    work(gen);
+    while (done_.load(std::memory_order_acquire) != threads()) _mm_pause();
   }
 
  private:
-  void chunk(int i, const std::function<void(int64_t, int64_t)>& fn) {
-    const int64_t t = threads(), begin = n_ * i / t, end = n_ * (i + 1) / t;
-    if (begin < end) fn(begin, end);
+  // claims_: the job's generation above kChunkBits, the next unclaimed chunk below.
+  static constexpr int kChunkBits = 16;
+  static constexpr uint64_t kChunkMask = (uint64_t(1) << kChunkBits) - 1;
+
+  // Claim and run chunks of job `gen` until none is left (or a newer job replaced it).
+  void work(uint64_t gen) {
+    const int t = threads();
+    uint64_t c = claims_.load(std::memory_order_acquire);
+    while ((c >> kChunkBits) == gen && int(c & kChunkMask) < t) {
+      if (!claims_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel)) continue;
+      const int64_t i = int64_t(c & kChunkMask), begin = n_ * i / t, end = n_ * (i + 1) / t;
+      if (begin < end) (*job_)(begin, end);
+      done_.fetch_add(1, std::memory_order_release);
+      c = claims_.load(std::memory_order_acquire);
+    }
   }
 
-  void loop(int i) {
-    uint64_t seen = 0;
+  bool has_chunks(uint64_t c) const { return int(c & kChunkMask) < threads(); }
+
+  void loop() {
     while (true) {
       // Spin ~200 us for the next job, then sleep until one comes.
       const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(200);
       int spins = 0;
-      while (generation_.load(std::memory_order_acquire) == seen) {
+      uint64_t c;
+      while (!has_chunks(c = claims_.load(std::memory_order_acquire))) {
         _mm_pause();
         if (++spins % 256 == 0 && std::chrono::steady_clock::now() > until) {
           std::unique_lock<std::mutex> lk(sleep_);
-          wake_.wait(lk, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+          wake_.wait(lk, [&] { return has_chunks(claims_.load(std::memory_order_acquire)); });
         }
       }
-      seen = generation_.load(std::memory_order_acquire);
-      chunk(i, *job_);
-      pending_.fetch_sub(1, std::memory_order_release);
+      work(c >> kChunkBits);
     }
   }
 
@@ -88,8 +110,8 @@ class Pool {
   std::vector<std::thread> helpers_;
   std::mutex busy_, sleep_;
   std::condition_variable wake_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> pending_{0};
+  std::atomic<uint64_t> claims_{kChunkMask};  // generation 0: no job, no chunk to claim
+  std::atomic<int> done_{0};
   const std::function<void(int64_t, int64_t)>* job_ = nullptr;
   int64_t n_ = 0;
 };
