@@ -4,7 +4,8 @@ Each step is split the way the pipelined runtime needs it:
   1. prepare  (host)   flatten the plan into input tensors, plan attention;
   2. launch   (device) draft (speculative steps), target forward, sampling / verification,
                        queued on the forward stream; the produced ids are copied to the host
-                       on the copy stream and `submit` returns an EventFuture for them;
+                       on the copy stream (on the CPU handed over as they are) and `submit`
+                       returns an EventFuture for them;
   3. collect  (sync)   the one documented sync point: the future resolves to Python ints;
   4. catch up (device) `finish` queues the drafter's run over the tokens it has not seen
                        (KV fill) and returns at once.

@@ -61,7 +61,7 @@ class HostIOGuard(TorchFunctionMode):
 
 def guarded(executor, violations):
     """Run every closure of the executor's streams under the guard (modes are per thread)."""
-    for stream in (executor.streams.forward, executor.streams.copy):
+    for stream in (s for s in (executor.streams.forward, executor.streams.copy) if s is not None):
         submit = stream.submit
 
         def wrapped(fn, submit=submit):
