@@ -1,6 +1,6 @@
 """The kernels' thread pool (overlap/kernels/pool.h): the caller and its helpers claim a job's
-chunks, so whichever thread runs a chunk, and however the OS schedules them, every job's
-result is the one the caller alone computes."""
+chunks, so whichever thread runs a chunk, and however the OS schedules them, every job gives
+the result it gives with nothing else running."""
 
 import threading
 
