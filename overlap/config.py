@@ -186,6 +186,13 @@ def tree_tokens(config: EngineConfig) -> int:
     return config.spec.tree_tokens or default_tree_tokens(config.device)
 
 
+def lookup_match(spec: SpecConfig) -> tuple[int, int]:
+    """The shortest and longest suffix n-gram a lookup branch matches (lookup_min_match ..
+    ngram_max, never below the shortest): the drafter's lookup and the scheduler's, which
+    prices the branch before the drafter verifies it, must find the same tokens."""
+    return spec.lookup_min_match, max(spec.ngram_max, spec.lookup_min_match)
+
+
 def check_device(device: str, attention_backend: str = "auto") -> None:
     """Fail with one clear sentence, before any model loads, when the device or the attention
     backend asked for cannot run here (else torch fails mid-load, or FlashInfer at the first step)."""

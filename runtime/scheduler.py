@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from overlap.batch import BatchPlan, SeqWork, StepOutput
-from overlap.config import BRANCHED_METHODS, SchedulerConfig
+from overlap.config import BRANCHED_METHODS, SchedulerConfig, lookup_match
 from overlap.speculative.controller import Candidate, SpeculationController, chain_options, tree_options
 from overlap.speculative.ngram import lookup
 from runtime.messages import SamplingParams
@@ -74,7 +74,7 @@ def spec_arguments(spec) -> dict:
     eagle = spec.method == "eagle"
     return {"tree_depth": spec.tree_depth if eagle else 0, "tree_chains": eagle and spec.tree == "static",
             "lookup_branch": spec.lookup_branch if spec.method in BRANCHED_METHODS else 0,
-            "lookup_match": (spec.lookup_min_match, max(spec.ngram_max, spec.lookup_min_match))}
+            "lookup_match": lookup_match(spec)}
 
 
 class Scheduler:

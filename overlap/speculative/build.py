@@ -10,7 +10,7 @@ import torch
 
 from overlap import kernels
 from overlap.attention import make_backend
-from overlap.config import BRANCHED_METHODS, HEAD_METHODS, EngineConfig, tree_tokens
+from overlap.config import BRANCHED_METHODS, HEAD_METHODS, EngineConfig, lookup_match, tree_tokens
 from overlap.models.heads import load_head
 from overlap.models.llama import LlamaModel
 from overlap.speculative.base import Proposer
@@ -77,7 +77,7 @@ def _with_branch(spec, proposer: Proposer) -> Proposer:
     """The proposer with its lookup branch (spec.lookup_branch tokens; 0: none)."""
     if not spec.lookup_branch:
         return proposer
-    return LookupBranch(proposer, spec.lookup_branch, spec.lookup_min_match, max(spec.ngram_max, spec.lookup_min_match))
+    return LookupBranch(proposer, spec.lookup_branch, *lookup_match(spec))
 
 
 def _head_proposer(config: EngineConfig, model: LlamaModel, scratch_page: int | None) -> Proposer:
