@@ -795,13 +795,11 @@ class SpeculationController:
     def _branch(self, key: Hashable | None) -> tuple[float, float]:
         """(rows, tokens) the sequence's lookup branch adds to a drafting step (None: an average
         request's)."""
-        if key in self._known_branch:
-            full = self._known_branch[key]
-            if not full:
+        rows = self._known_rows(key)
+        if rows is not None:
+            if not rows:
                 return 0.0, 0.0
-            rows = min(full, self.branch_cap)
-            branch = self.branch.get(key, self.branch_population)
-            return rows, branch.when_fired(rows)
+            return rows, self.branch.get(key, self.branch_population).when_fired(rows)
         if key is None or key not in self.branch:
             return self.branch_population.expected()
         return self.branch[key].expected()
@@ -809,10 +807,16 @@ class SpeculationController:
     def _branch_firing(self, key: Hashable) -> tuple[float, float]:
         """(p, rows): how likely the sequence's lookup branch fires on a drafting step, and its
         rows when it does (BranchYield.firing; a known branch fires or not)."""
-        if key in self._known_branch:
-            rows = min(self._known_branch[key], self.branch_cap)
+        rows = self._known_rows(key)
+        if rows is not None:
             return (1.0, float(rows)) if rows else (0.0, 0.0)
         return self.branch.get(key, self.branch_population).firing()
+
+    def _known_rows(self, key: Hashable | None) -> int | None:
+        """The rows of the sequence's known branch this step verifies (cut to branch_cap; 0:
+        nothing matched), None where its branch was not looked up before the choice."""
+        full = self._known_branch.get(key)
+        return None if full is None else min(full, self.branch_cap)
 
     def _drafted(self, key: Hashable | None, depth: int, tree: bool) -> float:
         """Expected tokens from a step's drafts alone (1 + those accepted) where the sequence
