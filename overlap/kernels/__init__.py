@@ -1,7 +1,7 @@
 """Compiled CPU kernels, batch-invariant by construction: the bf16 linear (linear_bf16.cpp
 says why), the drafters' weight-only int8 linear (linear_int8.cpp), paged attention
-(attention.cpp), the small per-layer ops fused (layer_ops.cpp) and the greedy tree walk
-(tree_walk.cpp).
+(attention.cpp), the small per-layer ops fused (layer_ops.cpp), the greedy tree walk
+(tree_walk.cpp) and a drafting head's whole forward in one call (head_step.cpp).
 
 Built once per ISA variant with the machine's C++ compiler through torch's extension
 builder, cached on disk (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions); later
@@ -24,7 +24,7 @@ import torch
 
 SOURCES = [str(Path(__file__).with_name(n))
            for n in ("bindings.cpp", "linear_bf16.cpp", "linear_int8.cpp", "attention.cpp", "layer_ops.cpp",
-                     "tree_walk.cpp")]
+                     "tree_walk.cpp", "head_step.cpp")]
 
 # variant id → (name, compiler flags, CPU flags it needs)
 VARIANTS = {
@@ -191,6 +191,30 @@ def linear_int8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     output (verification is the target's). Row m depends only on row m of x."""
     packed_q, scale = int8_packed(weight)
     return _library().linear_int8(x, packed_q, scale, weight.shape[0], bias, out_float)
+
+
+def head_matmul(weight: torch.Tensor, int8: bool, bias: torch.Tensor | None = None):
+    """One matmul of a fused head call (head_step.cpp): the weight's packed copy, bf16 or
+    int8 (kept on the weight, as `linear_bf16` / `linear_int8` keep them), and its bias."""
+    if int8:
+        packed_q, scale = int8_packed(weight)
+        return _library().head_matmul(packed_q, scale, weight.shape[0], bias)
+    return _library().head_matmul(packed(weight), None, weight.shape[0], bias)
+
+
+def head_step(embed: torch.Tensor, norm_embed: torch.Tensor | None, norm_hidden: torch.Tensor | None,
+              matmuls: list, input_norm: torch.Tensor, post_norm: torch.Tensor, norm_final: torch.Tensor | None,
+              cos: torch.Tensor, sin: torch.Tensor, vocab_ids: torch.Tensor | None, vocab: int,
+              heads: int, kv_heads: int, head_dim: int, eps: float):
+    """A head's forward as one call (head_step.cpp: the same kernels in the same order, with
+    the GIL released): matmuls = head_matmul of fuse, qkv, o, gate_up, down and the lm_head
+    (its trimmed rows where vocab_ids is given); a None norm: norms=False."""
+    empty = torch.empty(0, dtype=embed.dtype)
+    return _library().HeadStep(embed, empty if norm_embed is None else norm_embed,
+                               empty if norm_hidden is None else norm_hidden, matmuls, input_norm, post_norm,
+                               empty if norm_final is None else norm_final, cos, sin,
+                               torch.empty(0, dtype=torch.long) if vocab_ids is None else vocab_ids,
+                               vocab, heads, kv_heads, head_dim, eps)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

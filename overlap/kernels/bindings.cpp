@@ -1,5 +1,6 @@
 // Python bindings of overlap's CPU kernels (one extension module per ISA variant).
 #include <torch/extension.h>
+#include "head_step.h"
 
 torch::Tensor pack_weight(torch::Tensor weight);
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
@@ -23,6 +24,13 @@ torch::Tensor spread_columns(torch::Tensor sub, torch::Tensor ids, int64_t vocab
 std::vector<torch::Tensor> tree_walk_greedy(torch::Tensor target_best, torch::Tensor tokens, torch::Tensor parents,
                                             torch::Tensor order, int64_t depth, int64_t max_children);
 
+namespace py = pybind11;
+
+HeadMatmul head_matmul(torch::Tensor packed, c10::optional<torch::Tensor> scale, int64_t n,
+                       c10::optional<torch::Tensor> bias) {
+  return HeadMatmul{packed, scale.value_or(torch::Tensor()), bias.value_or(torch::Tensor()), n};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight", &pack_weight, "a weight [N, K] in the linear kernel's packed layout");
   m.def("linear", &linear, "batch-invariant bf16 linear on a packed weight (linear_bf16.cpp)");
@@ -41,4 +49,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("spread_columns", &spread_columns, "a trimmed vocabulary's scores into full rows, -inf elsewhere (layer_ops.cpp)");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of f32 rows, vectorised (layer_ops.cpp)");
   m.def("tree_walk_greedy", &tree_walk_greedy, "verify_tree_greedy's walk in one call (tree_walk.cpp)");
+  py::class_<HeadMatmul>(m, "HeadMatmul");
+  m.def("head_matmul", &head_matmul, "one of a head's matmuls: packed weight, int8 scales or None, columns, bias",
+        py::arg("packed"), py::arg("scale"), py::arg("n"), py::arg("bias"));
+  py::class_<HeadStep>(m, "HeadStep")
+      .def(py::init([](torch::Tensor embed, torch::Tensor norm_embed, torch::Tensor norm_hidden,
+                       std::vector<HeadMatmul> matmuls, torch::Tensor input_norm, torch::Tensor post_norm,
+                       torch::Tensor norm_final, torch::Tensor cos, torch::Tensor sin, torch::Tensor vocab_ids,
+                       int64_t vocab, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps) {
+             TORCH_CHECK(matmuls.size() == 6, "HeadStep: fuse, qkv, o, gate_up, down and lm_head matmuls");
+             return HeadStep{embed, norm_embed, norm_hidden, matmuls[0], matmuls[1], matmuls[2], matmuls[3],
+                             matmuls[4], matmuls[5], input_norm, post_norm, norm_final, cos, sin, vocab_ids,
+                             vocab, heads, kv_heads, head_dim, eps};
+           }))
+      // The whole call runs without the GIL: it touches no Python object.
+      .def("forward", &HeadStep::forward, "the head's forward in one call (head_step.cpp)",
+           py::call_guard<py::gil_scoped_release>());
 }

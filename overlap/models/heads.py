@@ -44,10 +44,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from overlap import kernels
 from overlap.attention.base import AttentionBackend
+from overlap.attention.cpu import CpuMetadata
 from overlap.config import ModelConfig
 from overlap.kv import KVPool
-from overlap.models.llama import DecoderLayer, LlamaModel, RMSNorm, logits_linear, matmul_fn, spread_vocabulary
+from overlap.models.llama import (DecoderLayer, LlamaModel, RMSNorm, int8_linear, linear, logits_linear, matmul_fn,
+                                  spread_vocabulary)
 from overlap.models.rope import RotaryTable, rotate
 
 HEAD_TYPE = "mtp"
@@ -120,6 +123,9 @@ class MTPHead(nn.Module):
         """input_ids [T] i64 (x_{j+1}), target_hidden [T, hidden] (H_j, or the head hidden of the
         previous chain step), positions [T] i64 (j) → (head hidden [T, hidden] in the head's
         dtype, logits [len(logits_indices), vocab] f32 or None). meta.slots are the slots of j."""
+        fused = self._fused_step(meta)
+        if fused is not None:
+            return self._forward_fused(fused, input_ids, target_hidden, positions, kv, meta, logits_indices)
         e = self.embed_tokens[input_ids].to(self.dtype)
         h = target_hidden.to(self.dtype)
         if self.norms:
@@ -130,6 +136,52 @@ class MTPHead(nn.Module):
         if logits_indices is None:
             return hidden, None
         return hidden, self.compute_logits(hidden[logits_indices])
+
+    def _fused_step(self, meta: Any):
+        """The whole forward as one kernel call (kernels.head_step: the same kernels in the same
+        order, so the same bits, without ~25 Python dispatches, the GIL released throughout),
+        where it applies: bf16 on the CPU backend, the exact or int8 matmuls. Made once and made
+        again when a weight changes in place (its version counter moves); else None."""
+        if not isinstance(meta, CpuMetadata) or self.linear not in (linear, int8_linear):
+            return None
+        tensors = self._fused_tensors()
+        key = tuple((id(t), t._version) for t in tensors)
+        cached = getattr(self, "_fused", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
+            self._fused = (key, None)
+            return None
+        layer, int8 = self.layer, self.linear is int8_linear
+        lm = self.lm_head if self.vocab_ids is None else self.lm_rows
+        matmuls = [kernels.head_matmul(w, int8, b) for w, b in (
+            (self.fuse, None), (layer.qkv_proj, layer.qkv_bias), (layer.o_proj, None), (layer.gate_up_proj, None),
+            (layer.down_proj, None), (lm, None))]
+        norm = (lambda name: getattr(self, name).weight) if self.norms else (lambda name: None)
+        step = kernels.head_step(self.embed_tokens, norm("norm_embed"), norm("norm_hidden"), matmuls,
+                                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                 norm("norm"), self.rope.cos, self.rope.sin, self.vocab_ids, self.cfg.vocab_size,
+                                 layer.num_heads, layer.num_kv_heads, layer.head_dim, self.cfg.rms_norm_eps)
+        self._fused = (key, step)
+        return step
+
+    def _fused_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the fused call reads from the head (its weights, the shared embedding
+        and lm_head, the rotary table)."""
+        out = [p for p in self.parameters()] + [self.embed_tokens, self.lm_head, self.rope.cos, self.rope.sin]
+        return out if self.vocab_ids is None else out + [self.lm_rows]
+
+    def _forward_fused(self, fused, input_ids: torch.Tensor, target_hidden: torch.Tensor, positions: torch.Tensor,
+                       kv: KVPool, meta: CpuMetadata, logits_indices: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        k, v = kv.flat(0)
+        pairs = kv.value_pair_arrays()
+        empty = torch.empty(0, dtype=k.dtype)
+        tree = torch.empty(0, dtype=torch.bool) if meta.tree is None else meta.tree
+        out = fused.forward(input_ids, target_hidden.to(self.dtype), positions, k, v,
+                            *(pairs if pairs is not None else (empty, empty)), meta.slots, meta.q_start,
+                            meta.q_len, meta.kv_len, meta.page_table, meta.page_size, tree, logits_indices)
+        return out[0], (out[1] if len(out) > 1 else None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → logits [N, vocab] f32 (through the target's lm_head; -inf

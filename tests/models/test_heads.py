@@ -213,3 +213,54 @@ def test_f32_dense_logits_over_a_bf16_target_cast_its_lm_head_once():
     assert head._lm_head_cast[1] is copy
     head.lm_head = head.lm_head * 2
     assert torch.allclose(head.dense_logits(hidden), 2 * want)
+
+
+@pytest.mark.parametrize("matmul", ["exact", "int8"])
+@pytest.mark.parametrize("norms", [True, False])
+@pytest.mark.parametrize("trim", [False, True])
+def test_fused_cpu_forward_equals_the_python_forward(matmul, norms, trim):
+    """bf16 on the CPU backend, the head's forward runs as one kernel call (kernels.head_step):
+    the same bits as the op-by-op forward it replaces, in g, the logits and every KV slot it
+    writes (and the value cache's pair copy), for a causal and a tree-masked sequence in one call;
+    a weight changed in place is read on the next call."""
+    from overlap.attention.cpu import CpuBackend
+    from overlap.attention.base import tree_mask_from_parents
+    from overlap.kv import KVPool
+
+    target = tiny_target(dtype=torch.bfloat16)
+    head = MTPHead(target.cfg, target, norms=norms, matmul=matmul)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + torch.randn(p.shape, generator=gen) * 0.1)
+    head.requires_grad_(False).eval()
+    if trim:
+        head.trim_vocabulary(torch.randperm(512, generator=gen)[:100])
+    c = head.cfg
+    k0 = torch.randn(8, PAGE, c.num_kv_heads, c.head_dim, generator=gen).bfloat16()
+    v0 = torch.randn(8, PAGE, c.num_kv_heads, c.head_dim, generator=gen).bfloat16()
+    ids, hidden = torch.randint(0, 512, (5,), generator=gen), torch.randn(5, 64, generator=gen).bfloat16()
+    backend = CpuBackend()
+    seqs = [SeqAttention(2, 7, [1, 2]), SeqAttention(3, 11, [3, 4, 5], tree_mask=tree_mask_from_parents([-1, 0, 0]))]
+    positions, rows = torch.tensor([5, 6, 8, 9, 9]), torch.tensor([1, 4, 2])
+
+    def run(fused: bool):
+        if fused:
+            head.__dict__.pop("_fused_step", None)
+        else:
+            head._fused_step = lambda meta: None  # the op-by-op forward
+        kv = KVPool(1, 8, PAGE, c.num_kv_heads, c.head_dim, torch.bfloat16, value_pairs=True)
+        kv.k[0].copy_(k0)
+        kv.v[0].copy_(v0)
+        kv.sync_value_pairs()
+        g, logits = head(ids, hidden, positions, backend, kv, backend.plan(seqs, PAGE), rows)
+        return g, logits, kv._k_all, kv._v_all, kv.value_pair_arrays()[1]
+
+    fused, python = run(True), run(False)
+    assert head._fused[1] is not None  # the fused call did run
+    for got, want in zip(fused, python):
+        assert torch.equal(got, want)
+    assert torch.isinf(fused[1]).any() == trim
+    with torch.no_grad():
+        head.layer.o_proj.mul_(2)  # in place: the packed copies must follow
+    assert torch.equal(run(True)[1], run(False)[1])

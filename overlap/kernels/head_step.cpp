@@ -1,0 +1,78 @@
+// One call of the MTP / EAGLE head's inference forward on the CPU (overlap/models/heads.py,
+// MTPHead.forward and compute_logits): the same kernels in the same order on the same
+// tensors, so the same bits, in one C++ call instead of ~25 Python dispatches.
+//
+// Why: an EAGLE step at batch 1 makes three head calls of 1-3 rows (its catch-up and two
+// drafting levels) on the stream's worker thread, beside the main thread's Python planning
+// the next step. In Python each op of a call re-took the GIL from the main thread and ran
+// its dispatch cold: a call that takes 0.21 ms warm and alone took 0.3-0.8 ms in the step
+// (docs/mtp_eagle.md, "Session 33"). Here the whole call runs with the GIL released.
+#include <torch/extension.h>
+#include <cmath>
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
+                     bool out_float);
+torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t n,
+                          c10::optional<torch::Tensor> bias, bool out_float);
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor q_start, torch::Tensor q_len, torch::Tensor kv_len,
+                              torch::Tensor page_table, int64_t page_size, torch::Tensor tree,
+                              double scale, bool reference, c10::optional<torch::Tensor> v_pairs);
+void sync_value_pairs(torch::Tensor v_all, torch::Tensor pairs_all, torch::Tensor slots, int64_t page_size,
+                      int64_t layer);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t rot_heads, int64_t head_dim);
+torch::Tensor spread_columns(torch::Tensor sub, torch::Tensor ids, int64_t vocab);
+
+#include "head_step.h"
+
+namespace {
+
+bool given(const torch::Tensor& t) { return t.defined() && t.numel() > 0; }
+
+}  // namespace
+
+torch::Tensor HeadMatmul::operator()(const torch::Tensor& x, bool out_float) const {
+  const c10::optional<torch::Tensor> b = given(bias) ? c10::optional<torch::Tensor>(bias) : c10::nullopt;
+  return given(scale) ? linear_int8(x, packed, scale, n, b, out_float) : linear(x, packed, n, b, out_float);
+}
+
+std::vector<torch::Tensor> HeadStep::forward(torch::Tensor ids, torch::Tensor hidden, torch::Tensor positions,
+                                             torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor v_all,
+                                             torch::Tensor pairs_all, torch::Tensor slots, torch::Tensor q_start,
+                                             torch::Tensor q_len, torch::Tensor kv_len, torch::Tensor page_table,
+                                             int64_t page_size, torch::Tensor tree, c10::optional<torch::Tensor> rows) const {
+  TORCH_CHECK(hidden.scalar_type() == torch::kBFloat16 && hidden.dim() == 2, "head_step: bf16 hidden [T, H]");
+  const int64_t t = ids.size(0);
+  // 1. the input: the token's embedding and the hidden state it pairs with, fused to one vector.
+  auto e = embed.index_select(0, ids);
+  auto h = hidden;
+  if (given(norm_embed)) {
+    e = rms_norm(e, norm_embed, eps);
+    h = rms_norm(h, norm_hidden, eps);
+  }
+  auto x = fuse(torch::cat({e, h}, -1));
+  // 2. attention: project, rotate q and k in place, store the new K/V in their slots, attend.
+  auto qkv = qkv_proj(rms_norm(x, input_norm, eps));
+  const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, rot_heads = heads + kv_heads;
+  rotary_(qkv, cos.index_select(0, positions), sin.index_select(0, positions), rot_heads, head_dim);
+  auto qk = qkv.narrow(1, 0, q_size + kv_size).view({t, rot_heads, head_dim});
+  auto k = qk.narrow(1, heads, kv_heads);
+  auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads, head_dim});
+  k_cache.index_copy_(0, slots, k);
+  v_cache.index_copy_(0, slots, v);
+  if (given(pairs_all)) sync_value_pairs(v_all, pairs_all, slots, page_size, 0);
+  auto attn = paged_attention(qk.narrow(1, 0, heads), k_cache, v_cache, q_start, q_len, kv_len, page_table,
+                              page_size, tree, 1.0 / std::sqrt(double(head_dim)), false,
+                              given(pairs_all) ? c10::optional<torch::Tensor>(pairs_all[0]) : c10::nullopt);
+  x = x + o_proj(attn.view({t, -1}));
+  // 3. the SwiGLU MLP, then the head's final norm: g, the vector the lm_head reads.
+  x = x + down_proj(silu_mul(gate_up_proj(rms_norm(x, post_norm, eps))));
+  auto g = given(norm_final) ? rms_norm(x, norm_final, eps) : x;
+  if (!rows.has_value()) return {g};
+  // 4. logits at the rows asked for (f32; -inf outside a trimmed draft vocabulary).
+  auto logits = lm_head(g.index_select(0, *rows), true);
+  if (given(vocab_ids)) logits = spread_columns(logits, vocab_ids, vocab);
+  return {g, logits};
+}
