@@ -144,13 +144,16 @@ class MTPHead(nn.Module):
         again when a weight changes in place (its version counter moves); else None."""
         if not isinstance(meta, CpuMetadata) or self.linear not in (linear, int8_linear):
             return None
-        tensors = self._fused_tensors()
-        key = tuple((id(t), t._version) for t in tensors)
+        # Versions only grow, so their sum moves with any in-place change; the shared tensors
+        # and the trimmed vocabulary may also be replaced (their ids).
         cached = getattr(self, "_fused", None)
-        if cached is not None and cached[0] == key:
-            return cached[1]
+        if cached is not None:
+            key, tensors, step = cached
+            if key == self._fused_key(tensors):
+                return step
+        tensors = self._fused_tensors()
         if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
-            self._fused = (key, None)
+            self._fused = (self._fused_key(tensors), tensors, None)
             return None
         layer, int8 = self.layer, self.linear is int8_linear
         lm = self.lm_head if self.vocab_ids is None else self.lm_rows
@@ -162,14 +165,17 @@ class MTPHead(nn.Module):
                                  layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                  norm("norm"), self.rope.cos, self.rope.sin, self.vocab_ids, self.cfg.vocab_size,
                                  layer.num_heads, layer.num_kv_heads, layer.head_dim, self.cfg.rms_norm_eps)
-        self._fused = (key, step)
+        self._fused = (self._fused_key(tensors), tensors, step)
         return step
 
     def _fused_tensors(self) -> list[torch.Tensor]:
         """Every tensor the fused call reads from the head (its weights, the shared embedding
         and lm_head, the rotary table)."""
-        out = [p for p in self.parameters()] + [self.embed_tokens, self.lm_head, self.rope.cos, self.rope.sin]
+        out = list(self.parameters()) + [self.embed_tokens, self.lm_head, self.rope.cos, self.rope.sin]
         return out if self.vocab_ids is None else out + [self.lm_rows]
+
+    def _fused_key(self, tensors: list[torch.Tensor]) -> tuple:
+        return (sum(t._version for t in tensors), id(self.embed_tokens), id(self.lm_head), id(self.vocab_ids))
 
     def _forward_fused(self, fused, input_ids: torch.Tensor, target_hidden: torch.Tensor, positions: torch.Tensor,
                        kv: KVPool, meta: CpuMetadata, logits_indices: torch.Tensor | None
