@@ -64,5 +64,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            }))
       // The whole call runs without the GIL: it touches no Python object.
       .def("forward", &HeadStep::forward, "the head's forward in one call (head_step.cpp)",
+           py::call_guard<py::gil_scoped_release>())
+      .def("forward_seqs", &HeadStep::forward_seqs, "the same, planned from the step's lists (head_step.cpp)",
            py::call_guard<py::gil_scoped_release>());
 }

@@ -76,3 +76,71 @@ std::vector<torch::Tensor> HeadStep::forward(torch::Tensor ids, torch::Tensor hi
   if (given(vocab_ids)) logits = spread_columns(logits, vocab_ids, vocab);
   return {g, logits};
 }
+
+namespace {
+
+torch::Tensor longs(const std::vector<int64_t>& v) {
+  auto t = torch::empty({int64_t(v.size())}, torch::kInt64);
+  std::copy(v.begin(), v.end(), t.data_ptr<int64_t>());
+  return t;
+}
+
+}  // namespace
+
+std::vector<torch::Tensor> HeadStep::forward_seqs(torch::Tensor ids, torch::Tensor hidden,
+                                                  const std::vector<int64_t>& positions, torch::Tensor k_cache,
+                                                  torch::Tensor v_cache, torch::Tensor v_all, torch::Tensor pairs_all,
+                                                  const std::vector<int64_t>& q_lens, const std::vector<int64_t>& kv_lens,
+                                                  const std::vector<std::vector<int64_t>>& page_tables,
+                                                  const std::vector<c10::optional<torch::Tensor>>& tree_masks,
+                                                  int64_t page_size, const std::vector<int64_t>& rows) const {
+  const int64_t b = int64_t(q_lens.size());
+  TORCH_CHECK(b > 0 && int64_t(kv_lens.size()) == b && int64_t(page_tables.size()) == b &&
+                  int64_t(tree_masks.size()) == b, "head_step: one q_len, kv_len, page table and mask per sequence");
+  // 1. the attention plan (CpuBackend.plan): each new row's slot, each sequence's first row,
+  // its lengths and its page table (padded with page 0, never read).
+  int64_t width = 1, total = 0, widest = 0;
+  bool any_tree = false;
+  for (int64_t s = 0; s < b; ++s) {
+    width = std::max<int64_t>(width, int64_t(page_tables[s].size()));
+    widest = std::max(widest, q_lens[s]);
+    total += q_lens[s];
+    any_tree = any_tree || tree_masks[s].has_value();
+  }
+  TORCH_CHECK(int64_t(positions.size()) == total && ids.size(0) == total, "head_step: one position and id per row");
+  auto slots = torch::empty({total}, torch::kInt64);
+  auto q_start = torch::empty({b}, torch::kInt32), q_len = torch::empty({b}, torch::kInt32);
+  auto kv_len = torch::empty({b}, torch::kInt32), table = torch::zeros({b, width}, torch::kInt32);
+  int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t s = 0, row = 0; s < b; ++s) {
+    const auto& pages = page_tables[s];
+    q_start.data_ptr<int32_t>()[s] = int32_t(row);
+    q_len.data_ptr<int32_t>()[s] = int32_t(q_lens[s]);
+    kv_len.data_ptr<int32_t>()[s] = int32_t(kv_lens[s]);
+    std::copy(pages.begin(), pages.end(), table.data_ptr<int32_t>() + s * width);
+    for (int64_t p = kv_lens[s] - q_lens[s]; p < kv_lens[s]; ++p) {
+      TORCH_CHECK(p >= 0 && p / page_size < int64_t(pages.size()), "head_step: a row past the sequence's pages");
+      slot[row++] = pages[p / page_size] * page_size + p % page_size;
+    }
+  }
+  // 2. the rows' view of their own sequence's new rows, where any sequence has a tree (the
+  // others causal); a single sequence's mask is the table itself.
+  torch::Tensor tree = torch::empty({0}, torch::kBool);
+  if (any_tree && b == 1) {
+    tree = tree_masks[0]->to(torch::kBool).contiguous();
+  } else if (any_tree) {
+    tree = torch::zeros({total, widest}, torch::kBool);
+    for (int64_t s = 0, row = 0; s < b; ++s) {
+      const int64_t q = q_lens[s];
+      auto mask = tree_masks[s].has_value() ? tree_masks[s]->to(torch::kBool)
+                                            : torch::ones({q, q}, torch::kBool).tril();
+      tree.narrow(0, row, q).narrow(1, 0, q).copy_(mask);
+      row += q;
+    }
+  }
+  // 3. the forward, g and the logits at the rows asked for.
+  const auto picked = longs(rows);
+  auto out = forward(ids, hidden, longs(positions), k_cache, v_cache, v_all, pairs_all, slots, q_start, q_len,
+                     kv_len, table, page_size, tree, picked);
+  return {out[0].index_select(0, picked), out[1]};
+}

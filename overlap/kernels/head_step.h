@@ -32,4 +32,16 @@ struct HeadStep {
                                      torch::Tensor pairs_all, torch::Tensor slots, torch::Tensor q_start,
                                      torch::Tensor q_len, torch::Tensor kv_len, torch::Tensor page_table,
                                      int64_t page_size, torch::Tensor tree, c10::optional<torch::Tensor> rows) const;
+
+  // The same call planned here from the step's lists (what CpuBackend.plan computes from its
+  // SeqAttention list, without its Python and its tensors): positions [T]; per sequence its
+  // new rows q_lens[b], cached + new kv_lens[b], its page table and its [q, q] tree mask (or
+  // None: causal); rows [R] → {g at rows [R, H], logits [R, vocab] f32}.
+  std::vector<torch::Tensor> forward_seqs(torch::Tensor ids, torch::Tensor hidden, const std::vector<int64_t>& positions,
+                                          torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor v_all,
+                                          torch::Tensor pairs_all, const std::vector<int64_t>& q_lens,
+                                          const std::vector<int64_t>& kv_lens,
+                                          const std::vector<std::vector<int64_t>>& page_tables,
+                                          const std::vector<c10::optional<torch::Tensor>>& tree_masks,
+                                          int64_t page_size, const std::vector<int64_t>& rows) const;
 };

@@ -45,15 +45,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from overlap import kernels
-from overlap.attention.base import AttentionBackend
-from overlap.attention.cpu import CpuMetadata
+from overlap.attention.base import AttentionBackend, SeqAttention
+from overlap.attention.cpu import CpuBackend, CpuMetadata
 from overlap.config import ModelConfig
+from overlap.device import upload
 from overlap.kv import KVPool
 from overlap.models.llama import (DecoderLayer, LlamaModel, RMSNorm, int8_linear, linear, logits_linear, matmul_fn,
                                   spread_vocabulary)
 from overlap.models.rope import RotaryTable, rotate
 
 HEAD_TYPE = "mtp"
+_EMPTY = torch.empty(0, dtype=torch.bfloat16)  # the fused call's "none" for its optional caches
+_NO_TREE = torch.empty(0, dtype=torch.bool)
 
 
 class MTPHead(nn.Module):
@@ -123,7 +126,7 @@ class MTPHead(nn.Module):
         """input_ids [T] i64 (x_{j+1}), target_hidden [T, hidden] (H_j, or the head hidden of the
         previous chain step), positions [T] i64 (j) → (head hidden [T, hidden] in the head's
         dtype, logits [len(logits_indices), vocab] f32 or None). meta.slots are the slots of j."""
-        fused = self._fused_step(meta)
+        fused = self._fused_step(isinstance(meta, CpuMetadata))
         if fused is not None:
             return self._forward_fused(fused, input_ids, target_hidden, positions, kv, meta, logits_indices)
         e = self.embed_tokens[input_ids].to(self.dtype)
@@ -137,12 +140,32 @@ class MTPHead(nn.Module):
             return hidden, None
         return hidden, self.compute_logits(hidden[logits_indices])
 
-    def _fused_step(self, meta: Any):
+    def forward_rows(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, positions: list[int],
+                     seqs: list[SeqAttention], rows: list[int], backend: AttentionBackend, kv: KVPool,
+                     page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` from the step's lists, as the proposers hold them → (head hidden at `rows`
+        [R, hidden], logits there [R, vocab] f32). On the CPU backend the fused call plans the
+        attention itself: no plan object, no uploads, one call without the GIL."""
+        fused = self._fused_step(isinstance(backend, CpuBackend))
+        if fused is not None:
+            k, v = kv.flat(0)
+            pairs = kv.value_pair_arrays() or (_EMPTY, _EMPTY)
+            g, logits = fused.forward_seqs(input_ids, target_hidden.to(self.dtype), positions, k, v, *pairs,
+                                           [s.q_len for s in seqs], [s.kv_len for s in seqs],
+                                           [s.page_table for s in seqs], [s.tree_mask for s in seqs], page_size, rows)
+            return g, logits
+        c = self.cfg
+        meta = backend.plan(seqs, page_size, c.num_heads, c.num_kv_heads, c.head_dim, self.dtype)
+        pos, picked = upload(input_ids.device, (positions, torch.long), (rows, torch.long))
+        g, logits = self(input_ids, target_hidden, pos, backend, kv, meta, picked)
+        return g[picked], logits
+
+    def _fused_step(self, cpu_attention: bool):
         """The whole forward as one kernel call (kernels.head_step: the same kernels in the same
         order, so the same bits, without ~25 Python dispatches, the GIL released throughout),
         where it applies: bf16 on the CPU backend, the exact or int8 matmuls. Made once and made
         again when a weight changes in place (its version counter moves); else None."""
-        if not isinstance(meta, CpuMetadata) or self.linear not in (linear, int8_linear):
+        if not cpu_attention or self.linear not in (linear, int8_linear):
             return None
         # Versions only grow, so their sum moves with any in-place change; the shared tensors
         # and the trimmed vocabulary may also be replaced (their ids).
@@ -181,11 +204,9 @@ class MTPHead(nn.Module):
                        kv: KVPool, meta: CpuMetadata, logits_indices: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         k, v = kv.flat(0)
-        pairs = kv.value_pair_arrays()
-        empty = torch.empty(0, dtype=k.dtype)
-        tree = torch.empty(0, dtype=torch.bool) if meta.tree is None else meta.tree
-        out = fused.forward(input_ids, target_hidden.to(self.dtype), positions, k, v,
-                            *(pairs if pairs is not None else (empty, empty)), meta.slots, meta.q_start,
+        pairs = kv.value_pair_arrays() or (_EMPTY, _EMPTY)
+        tree = _NO_TREE if meta.tree is None else meta.tree
+        out = fused.forward(input_ids, target_hidden.to(self.dtype), positions, k, v, *pairs, meta.slots, meta.q_start,
                             meta.q_len, meta.kv_len, meta.page_table, meta.page_size, tree, logits_indices)
         return out[0], (out[1] if len(out) > 1 else None)
 

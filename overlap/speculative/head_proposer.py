@@ -35,8 +35,6 @@ class HeadProposer:
         self.backend = backend
         self.kv = head.new_kv_pool(num_pages + (scratch_page is not None), page_size)
         self.page_size = page_size
-        cfg = head.cfg
-        self._attn_dims = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, head.dtype)
         # seq_id → (logits [V] f32 for its next draft, head hidden [H] of that row)
         self.carried: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # seq_id → (position j, H_j [H]) of a row whose token x_{j+1} is not known yet
@@ -48,10 +46,9 @@ class HeadProposer:
     def _run(self, ids: torch.Tensor, hidden: torch.Tensor, positions: list[int], attn: list[SeqAttention],
              last_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [T] i64, hidden [T, H] → (logits [R, V] f32, head hidden [R, H]) at last_rows."""
-        meta = self.backend.plan(attn, self.page_size, *self._attn_dims)
-        pos, rows = upload(ids.device, (positions, torch.long), (last_rows, torch.long))
-        g, logits = self.head(ids, hidden, pos, self.backend, self.kv, meta, rows)
-        return logits, g[rows]
+        g, logits = self.head.forward_rows(ids, hidden, positions, attn, last_rows, self.backend, self.kv,
+                                           self.page_size)
+        return logits, g
 
     # -- after the step: the head's rows over what the target computed --------------------
 

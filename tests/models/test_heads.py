@@ -261,6 +261,25 @@ def test_fused_cpu_forward_equals_the_python_forward(matmul, norms, trim):
     for got, want in zip(fused, python):
         assert torch.equal(got, want)
     assert torch.isinf(fused[1]).any() == trim
+
+    def run_rows(fused: bool, sequences):
+        # forward_rows: the fused call plans the attention itself from the lists.
+        if fused:
+            head.__dict__.pop("_fused_step", None)
+        else:
+            head._fused_step = lambda cpu_attention: None
+        kv = KVPool(1, 8, PAGE, c.num_kv_heads, c.head_dim, torch.bfloat16, value_pairs=True)
+        kv.k[0].copy_(k0)
+        kv.v[0].copy_(v0)
+        kv.sync_value_pairs()
+        n = sum(s.q_len for s in sequences)
+        g, logits = head.forward_rows(ids[:n], hidden[:n], positions[:n].tolist(), sequences, rows[rows < n].tolist(),
+                                      backend, kv, PAGE)
+        return g, logits, kv._k_all, kv._v_all, kv.value_pair_arrays()[1]
+
+    for sequences in (seqs, seqs[1:], seqs[:1]):  # trees beside causal rows, a tree alone, causal alone
+        for got, want in zip(run_rows(True, sequences), run_rows(False, sequences)):
+            assert torch.equal(got, want)
     with torch.no_grad():
         head.layer.o_proj.mul_(2)  # in place: the packed copies must follow
     assert torch.equal(run(True)[1], run(False)[1])
