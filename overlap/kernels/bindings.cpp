@@ -66,5 +66,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &HeadStep::forward, "the head's forward in one call (head_step.cpp)",
            py::call_guard<py::gil_scoped_release>())
       .def("forward_seqs", &HeadStep::forward_seqs, "the same, planned from the step's lists (head_step.cpp)",
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      .def("forward_seqs",
+           [](const HeadStep& step, const std::vector<int64_t>& ids, const std::vector<torch::Tensor>& hidden,
+              const std::vector<int64_t>& positions, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor v_all,
+              torch::Tensor pairs_all, const std::vector<int64_t>& q_lens, const std::vector<int64_t>& kv_lens,
+              const std::vector<std::vector<int64_t>>& page_tables,
+              const std::vector<c10::optional<torch::Tensor>>& tree_masks, int64_t page_size,
+              const std::vector<int64_t>& rows) {
+             auto t = torch::empty({int64_t(ids.size())}, torch::kInt64);
+             std::copy(ids.begin(), ids.end(), t.data_ptr<int64_t>());
+             return step.forward_seqs(t, hidden, positions, k_cache, v_cache, v_all, pairs_all, q_lens, kv_lens,
+                                      page_tables, tree_masks, page_size, rows);
+           },
+           "the same with the ids as a list", py::call_guard<py::gil_scoped_release>());
 }

@@ -87,7 +87,7 @@ torch::Tensor longs(const std::vector<int64_t>& v) {
 
 }  // namespace
 
-std::vector<torch::Tensor> HeadStep::forward_seqs(torch::Tensor ids, torch::Tensor hidden,
+std::vector<torch::Tensor> HeadStep::forward_seqs(torch::Tensor ids, const std::vector<torch::Tensor>& hidden_parts,
                                                   const std::vector<int64_t>& positions, torch::Tensor k_cache,
                                                   torch::Tensor v_cache, torch::Tensor v_all, torch::Tensor pairs_all,
                                                   const std::vector<int64_t>& q_lens, const std::vector<int64_t>& kv_lens,
@@ -139,6 +139,9 @@ std::vector<torch::Tensor> HeadStep::forward_seqs(torch::Tensor ids, torch::Tens
     }
   }
   // 3. the forward, g and the logits at the rows asked for.
+  std::vector<torch::Tensor> parts;
+  for (const auto& h : hidden_parts) parts.push_back(h.dim() == 1 ? h.unsqueeze(0) : h);
+  const auto hidden = parts.size() == 1 ? parts[0] : torch::cat(parts);
   const auto picked = longs(rows);
   auto out = forward(ids, hidden, longs(positions), k_cache, v_cache, v_all, pairs_all, slots, q_start, q_len,
                      kv_len, table, page_size, tree, picked);

@@ -37,7 +37,9 @@ struct HeadStep {
   // SeqAttention list, without its Python and its tensors): positions [T]; per sequence its
   // new rows q_lens[b], cached + new kv_lens[b], its page table and its [q, q] tree mask (or
   // None: causal); rows [R] → {g at rows [R, H], logits [R, vocab] f32}.
-  std::vector<torch::Tensor> forward_seqs(torch::Tensor ids, torch::Tensor hidden, const std::vector<int64_t>& positions,
+  // ids as a tensor or a list; hidden [T, H], or in parts ([n, H] or one row [H]) concatenated here.
+  std::vector<torch::Tensor> forward_seqs(torch::Tensor ids, const std::vector<torch::Tensor>& hidden,
+                                          const std::vector<int64_t>& positions,
                                           torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor v_all,
                                           torch::Tensor pairs_all, const std::vector<int64_t>& q_lens,
                                           const std::vector<int64_t>& kv_lens,

@@ -140,24 +140,31 @@ class MTPHead(nn.Module):
             return hidden, None
         return hidden, self.compute_logits(hidden[logits_indices])
 
-    def forward_rows(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, positions: list[int],
-                     seqs: list[SeqAttention], rows: list[int], backend: AttentionBackend, kv: KVPool,
-                     page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` from the step's lists, as the proposers hold them → (head hidden at `rows`
-        [R, hidden], logits there [R, vocab] f32). On the CPU backend the fused call plans the
-        attention itself: no plan object, no uploads, one call without the GIL."""
+    def forward_rows(self, input_ids: torch.Tensor | list[int], target_hidden: list[torch.Tensor],
+                     positions: list[int], seqs: list[SeqAttention], rows: list[int], backend: AttentionBackend,
+                     kv: KVPool, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` from the step's lists, as the proposers hold them: input_ids [T] (a tensor
+        or a list), target_hidden in parts ([n, hidden] or one row [hidden], in the rows'
+        order) → (head hidden at `rows` [R, hidden], logits there [R, vocab] f32). On the CPU
+        backend the fused call plans the attention itself: no plan object, no uploads, no
+        concatenation in Python, one call without the GIL."""
         fused = self._fused_step(isinstance(backend, CpuBackend))
         if fused is not None:
             k, v = kv.flat(0)
             pairs = kv.value_pair_arrays() or (_EMPTY, _EMPTY)
-            g, logits = fused.forward_seqs(input_ids, target_hidden.to(self.dtype), positions, k, v, *pairs,
-                                           [s.q_len for s in seqs], [s.kv_len for s in seqs],
-                                           [s.page_table for s in seqs], [s.tree_mask for s in seqs], page_size, rows)
+            hidden = [h if h.dtype == self.dtype else h.to(self.dtype) for h in target_hidden]
+            g, logits = fused.forward_seqs(input_ids, hidden, positions, k, v, *pairs, [s.q_len for s in seqs],
+                                           [s.kv_len for s in seqs], [s.page_table for s in seqs],
+                                           [s.tree_mask for s in seqs], page_size, rows)
             return g, logits
         c = self.cfg
+        device = target_hidden[0].device
+        if not isinstance(input_ids, torch.Tensor):
+            input_ids = upload(device, (input_ids, torch.long))[0]
+        hidden = torch.cat([h.view(-1, h.shape[-1]) for h in target_hidden])
         meta = backend.plan(seqs, page_size, c.num_heads, c.num_kv_heads, c.head_dim, self.dtype)
-        pos, picked = upload(input_ids.device, (positions, torch.long), (rows, torch.long))
-        g, logits = self(input_ids, target_hidden, pos, backend, kv, meta, picked)
+        pos, picked = upload(device, (positions, torch.long), (rows, torch.long))
+        g, logits = self(input_ids, hidden, pos, backend, kv, meta, picked)
         return g[picked], logits
 
     def _fused_step(self, cpu_attention: bool):

@@ -206,7 +206,7 @@ class EagleProposer(HeadProposer):
             # The root x_n sits at position n; a row of depth d drafts from position n - 1 + d.
             positions = [s.start_pos + offset for s in seqs for offset in level.depth_offsets]
             attn = [SeqAttention(q, s.start_pos + q, s.page_table, tree_mask=level.mask) for s in seqs]
-            out_logits, out_hidden = self._run(ids, hidden, positions, attn, list(range(b * q)))
+            out_logits, out_hidden = self._run(ids, [hidden], positions, attn, list(range(b * q)))
             out_logits, out_hidden = out_logits.view(b, q, -1), out_hidden.view(b, q, -1)
             for j, r in enumerate(level.rows):
                 node_logits[r], node_hidden[r] = out_logits[:, j], out_hidden[:, j]
@@ -314,8 +314,7 @@ class DynamicEagleProposer(HeadProposer):
                 q = len(expanded[i])
                 attn.append(SeqAttention(q, s.start_pos + q, s.page_table, tree_mask=tree_mask_from_parents(parents)))
                 last += range(len(ids) - q, len(ids))
-            device = hidden0.device
-            out_logits, out_h = self._run(upload(device, (ids, torch.long))[0], torch.stack(hid), positions, attn, last)
+            out_logits, out_h = self._run(ids, hid, positions, attn, last)
             logp, tok = torch.topk(torch.log_softmax(out_logits, -1), k)
             logp, tok = logp.tolist(), tok.tolist()  # this level's documented sync (see the class doc)
             # 2. children of this level's frontier; the next frontier = the best k of them

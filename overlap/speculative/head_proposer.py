@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from overlap.attention.base import AttentionBackend, SeqAttention
-from overlap.device import upload
 from overlap.models.heads import MTPHead
 from overlap.speculative.base import CatchUp, FinishedStep
 
@@ -43,9 +42,10 @@ class HeadProposer:
     def graph_runners(self) -> list:
         return []
 
-    def _run(self, ids: torch.Tensor, hidden: torch.Tensor, positions: list[int], attn: list[SeqAttention],
-             last_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids [T] i64, hidden [T, H] → (logits [R, V] f32, head hidden [R, H]) at last_rows."""
+    def _run(self, ids: torch.Tensor | list[int], hidden: list[torch.Tensor], positions: list[int],
+             attn: list[SeqAttention], last_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [T] (a tensor or a list), hidden [T, H] in parts (MTPHead.forward_rows) → (logits
+        [R, V] f32, head hidden [R, H]) at last_rows."""
         g, logits = self.head.forward_rows(ids, hidden, positions, attn, last_rows, self.backend, self.kv,
                                            self.page_size)
         return logits, g
@@ -77,34 +77,36 @@ class HeadProposer:
         attn: list[SeqAttention] = []
         last: list[int] = []
         carried_ids: list[int] = []
+        multi_layer = bool(self.head.feature_layers)
         for u in updates:
-            s, known, h = u.start_pos, u.new_tokens, self.head.target_input(u.hidden)
+            s, known = u.start_pos, u.new_tokens
+            h = self.head.target_input(u.hidden) if multi_layer else u.hidden
             # Rows j = first .. last: token x_{j+1} = known[j+1-s], hidden H_j.
-            first = s
-            row_hidden = [h]
+            first, rows_here = s, h.shape[0]
             pend = self.pending.pop(u.seq_id, None)
             if pend is not None and pend[0] == s - 1:
                 first = s - 1  # the row the previous chunk could not fill
-                row_hidden = [pend[1][None], h]
-            last_row = min(s + h.shape[0] - 1, s + len(known) - 2)  # needs both H_j and x_{j+1}
-            if last_row < s + h.shape[0] - 1:
-                self.pending[u.seq_id] = (s + h.shape[0] - 1, h[-1])  # x_{j+1} not known yet
+            last_row = min(s + rows_here - 1, s + len(known) - 2)  # needs both H_j and x_{j+1}
+            if last_row < s + rows_here - 1:
+                self.pending[u.seq_id] = (s + rows_here - 1, h[-1])  # x_{j+1} not known yet
+                h = h[: max(last_row - s + 1, 0)]
             n = last_row - first + 1
             if n <= 0:
                 continue
             ids += [known[j + 1 - s] for j in range(first, last_row + 1)]
-            hidden.append(torch.cat(row_hidden)[:n])
+            if first < s:
+                hidden.append(pend[1])  # one row [H]
+            if h.shape[0]:
+                hidden.append(h)
             positions += range(first, last_row + 1)
             attn.append(SeqAttention(n, last_row + 1, u.page_table))
             last.append(len(ids) - 1)
             carried_ids.append(u.seq_id)
         if not ids:
             return
-        device = hidden[0].device
-        logits, g = self._run(upload(device, (ids, torch.long))[0], torch.cat(hidden), positions,
-                              attn, last)
-        for i, seq_id in enumerate(carried_ids):
-            self.carried[seq_id] = (logits[i], g[i])
+        logits, g = self._run(ids, hidden, positions, attn, last)
+        for seq_id, row_logits, row_g in zip(carried_ids, logits.unbind(0), g.unbind(0)):
+            self.carried[seq_id] = (row_logits, row_g)
 
     def release(self, seq_ids: list[int]) -> None:
         for i in seq_ids:

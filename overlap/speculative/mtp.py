@@ -74,7 +74,7 @@ class MTPProposer(HeadProposer):
             if len(keep) < len(rows):
                 keep_t, rows_t = upload(device, (keep, torch.long), (rows_next, torch.long))
                 d, hidden, first = d[keep_t], hidden[keep_t], first[keep_t]
-            logits, hidden = self._run(d, hidden, positions, attn, list(range(len(keep))))
+            logits, hidden = self._run(d, [hidden], positions, attn, list(range(len(keep))))
             rows = rows_next
         return Proposal(tokens, probs)
 

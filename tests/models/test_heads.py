@@ -273,7 +273,7 @@ def test_fused_cpu_forward_equals_the_python_forward(matmul, norms, trim):
         kv.v[0].copy_(v0)
         kv.sync_value_pairs()
         n = sum(s.q_len for s in sequences)
-        g, logits = head.forward_rows(ids[:n], hidden[:n], positions[:n].tolist(), sequences, rows[rows < n].tolist(),
+        g, logits = head.forward_rows(ids[:n], [hidden[:n]], positions[:n].tolist(), sequences, rows[rows < n].tolist(),
                                       backend, kv, PAGE)
         return g, logits, kv._k_all, kv._v_all, kv.value_pair_arrays()[1]
 
