@@ -1,5 +1,5 @@
 // The head's weights as head_step.cpp's single-call forward reads them (bindings.cpp makes
-// them from Python once per head: overlap/models/heads.py, MTPHead._fused).
+// them from Python once per head: overlap/models/heads.py, MTPHead._fused_step).
 #pragma once
 #include <torch/extension.h>
 
@@ -36,8 +36,8 @@ struct HeadStep {
   // The same call planned here from the step's lists (what CpuBackend.plan computes from its
   // SeqAttention list, without its Python and its tensors): positions [T]; per sequence its
   // new rows q_lens[b], cached + new kv_lens[b], its page table and its [q, q] tree mask (or
-  // None: causal); rows [R] → {g at rows [R, H], logits [R, vocab] f32}.
-  // ids as a tensor or a list; hidden [T, H], or in parts ([n, H] or one row [H]) concatenated here.
+  // None: causal); rows [R] → {g at rows [R, H], logits [R, vocab] f32}. hidden in parts
+  // ([n, H] or one row [H]), concatenated here; bindings.cpp also takes the ids as a list.
   std::vector<torch::Tensor> forward_seqs(torch::Tensor ids, const std::vector<torch::Tensor>& hidden,
                                           const std::vector<int64_t>& positions,
                                           torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor v_all,

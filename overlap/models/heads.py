@@ -170,9 +170,10 @@ class MTPHead(nn.Module):
     def _fused_step(self, cpu_attention: bool):
         """The whole forward as one kernel call (kernels.head_step: the same kernels in the same
         order, so the same bits, without ~25 Python dispatches, the GIL released throughout),
-        where it applies: bf16 on the CPU backend, the exact or int8 matmuls. Made once and made
-        again when a weight changes in place (its version counter moves); else None."""
-        if not cpu_attention or self.linear not in (linear, int8_linear):
+        where it applies: bf16 on the CPU backend, the exact or int8 matmuls, a single device's
+        head. Made once and made again when a weight changes in place (its version counter
+        moves); else None."""
+        if not cpu_attention or self.linear not in (linear, int8_linear) or self._sharded():
             return None
         # Versions only grow, so their sum moves with any in-place change; the shared tensors
         # and the trimmed vocabulary may also be replaced (their ids).
@@ -197,6 +198,13 @@ class MTPHead(nn.Module):
                                  layer.num_heads, layer.num_kv_heads, layer.head_dim, self.cfg.rms_norm_eps)
         self._fused = (self._fused_key(tensors), tensors, step)
         return step
+
+    def _sharded(self) -> bool:
+        """A tensor-parallel rank's head (models/tp.py, load_head_sharded): its layer's outputs
+        are all-reduced across the ranks and its embedding and logits are vocab-parallel, which
+        the single-device fused call does not do."""
+        return (self.layer.reduce is not None or not isinstance(self.embed_tokens, torch.Tensor)
+                or "compute_logits" in self.__dict__)
 
     def _fused_tensors(self) -> list[torch.Tensor]:
         """Every tensor the fused call reads from the head (its weights, the shared embedding
