@@ -10,22 +10,8 @@
 #include <torch/extension.h>
 #include <cmath>
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
-                     bool out_float);
-torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t n,
-                          c10::optional<torch::Tensor> bias, bool out_float);
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor q_start, torch::Tensor q_len, torch::Tensor kv_len,
-                              torch::Tensor page_table, int64_t page_size, torch::Tensor tree,
-                              double scale, bool reference, c10::optional<torch::Tensor> v_pairs);
-void sync_value_pairs(torch::Tensor v_all, torch::Tensor pairs_all, torch::Tensor slots, int64_t page_size,
-                      int64_t layer);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor silu_mul(torch::Tensor gate_up);
-void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t rot_heads, int64_t head_dim);
-torch::Tensor spread_columns(torch::Tensor sub, torch::Tensor ids, int64_t vocab);
-
 #include "head_step.h"
+#include "kernels.h"
 
 namespace {
 
