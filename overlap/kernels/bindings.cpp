@@ -53,10 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
               const std::vector<std::vector<int64_t>>& page_tables,
               const std::vector<c10::optional<torch::Tensor>>& tree_masks, int64_t page_size,
               const std::vector<int64_t>& rows) {
-             auto t = torch::empty({int64_t(ids.size())}, torch::kInt64);
-             std::copy(ids.begin(), ids.end(), t.data_ptr<int64_t>());
-             return step.forward_seqs(t, hidden, positions, k_cache, v_cache, v_all, pairs_all, q_lens, kv_lens,
-                                      page_tables, tree_masks, page_size, rows);
+             return step.forward_seqs(long_tensor(ids), hidden, positions, k_cache, v_cache, v_all, pairs_all,
+                                      q_lens, kv_lens, page_tables, tree_masks, page_size, rows);
            },
            "the same with the ids as a list", py::call_guard<py::gil_scoped_release>());
 }

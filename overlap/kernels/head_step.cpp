@@ -63,15 +63,11 @@ std::vector<torch::Tensor> HeadStep::forward(torch::Tensor ids, torch::Tensor hi
   return {g, logits};
 }
 
-namespace {
-
-torch::Tensor longs(const std::vector<int64_t>& v) {
-  auto t = torch::empty({int64_t(v.size())}, torch::kInt64);
-  std::copy(v.begin(), v.end(), t.data_ptr<int64_t>());
+torch::Tensor long_tensor(const std::vector<int64_t>& values) {
+  auto t = torch::empty({int64_t(values.size())}, torch::kInt64);
+  std::copy(values.begin(), values.end(), t.data_ptr<int64_t>());
   return t;
 }
-
-}  // namespace
 
 std::vector<torch::Tensor> HeadStep::forward_seqs(torch::Tensor ids, const std::vector<torch::Tensor>& hidden_parts,
                                                   const std::vector<int64_t>& positions, torch::Tensor k_cache,
@@ -128,8 +124,8 @@ std::vector<torch::Tensor> HeadStep::forward_seqs(torch::Tensor ids, const std::
   std::vector<torch::Tensor> parts;
   for (const auto& h : hidden_parts) parts.push_back(h.dim() == 1 ? h.unsqueeze(0) : h);
   const auto hidden = parts.size() == 1 ? parts[0] : torch::cat(parts);
-  const auto picked = longs(rows);
-  auto out = forward(ids, hidden, longs(positions), k_cache, v_cache, v_all, pairs_all, slots, q_start, q_len,
+  const auto picked = long_tensor(rows);
+  auto out = forward(ids, hidden, long_tensor(positions), k_cache, v_cache, v_all, pairs_all, slots, q_start, q_len,
                      kv_len, table, page_size, tree, picked);
   return {out[0].index_select(0, picked), out[1]};
 }

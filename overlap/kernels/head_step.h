@@ -5,6 +5,9 @@
 
 // One matmul of the head: a packed bf16 weight (scale empty) or a packed int8 weight and its
 // per-row scales (the kernels' `linear` / `linear_int8`), n output columns, an optional bias.
+// A list of int64 as a CPU tensor (the planned call's positions, rows, ids from a list).
+torch::Tensor long_tensor(const std::vector<int64_t>& values);
+
 struct HeadMatmul {
   torch::Tensor packed, scale, bias;
   int64_t n = 0;

@@ -150,12 +150,10 @@ class MTPHead(nn.Module):
         concatenation in Python, one call without the GIL."""
         fused = self._fused_step(isinstance(backend, CpuBackend))
         if fused is not None:
-            k, v = kv.flat(0)
-            pairs = kv.value_pair_arrays() or (_EMPTY, _EMPTY)
             hidden = [h if h.dtype == self.dtype else h.to(self.dtype) for h in target_hidden]
-            g, logits = fused.forward_seqs(input_ids, hidden, positions, k, v, *pairs, [s.q_len for s in seqs],
-                                           [s.kv_len for s in seqs], [s.page_table for s in seqs],
-                                           [s.tree_mask for s in seqs], page_size, rows)
+            g, logits = fused.forward_seqs(input_ids, hidden, positions, *_fused_caches(kv),
+                                           [s.q_len for s in seqs], [s.kv_len for s in seqs],
+                                           [s.page_table for s in seqs], [s.tree_mask for s in seqs], page_size, rows)
             return g, logits
         c = self.cfg
         device = target_hidden[0].device
@@ -218,11 +216,10 @@ class MTPHead(nn.Module):
     def _forward_fused(self, fused, input_ids: torch.Tensor, target_hidden: torch.Tensor, positions: torch.Tensor,
                        kv: KVPool, meta: CpuMetadata, logits_indices: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        k, v = kv.flat(0)
-        pairs = kv.value_pair_arrays() or (_EMPTY, _EMPTY)
         tree = _NO_TREE if meta.tree is None else meta.tree
-        out = fused.forward(input_ids, target_hidden.to(self.dtype), positions, k, v, *pairs, meta.slots, meta.q_start,
-                            meta.q_len, meta.kv_len, meta.page_table, meta.page_size, tree, logits_indices)
+        out = fused.forward(input_ids, target_hidden.to(self.dtype), positions, *_fused_caches(kv), meta.slots,
+                            meta.q_start, meta.q_len, meta.kv_len, meta.page_table, meta.page_size, tree,
+                            logits_indices)
         return out[0], (out[1] if len(out) > 1 else None)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -277,6 +274,14 @@ class MTPHead(nn.Module):
                 self._lm_head_cast = cached
             weight = cached[1]
         return _dense_linear(hidden, weight)
+
+
+def _fused_caches(kv: KVPool) -> tuple[torch.Tensor, ...]:
+    """A head's one-layer KV pool as the fused calls take it (head_step.h): K and V as flat
+    slot arrays, then V of every layer and its key-pair copy, or two empty tensors where the
+    pool keeps no pairs."""
+    k, v = kv.flat(0)
+    return k, v, *(kv.value_pair_arrays() or (_EMPTY, _EMPTY))
 
 
 def _dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
