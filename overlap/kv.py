@@ -66,14 +66,12 @@ class KVPool:
         """The layer's value cache in key pairs (see __init__), or None where it keeps none."""
         return None if self._pairs_all is None else self._pairs_all[layer]
 
-    def value_pair_arrays(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(V of every layer as [L, slots, kv_heads, head_dim], its key-pair copy), for a
-        kernel that writes V and keeps the pairs in step itself (kernels.head_step), or None
-        where the pool keeps no pairs."""
-        if self._pairs_all is None:
-            return None
-        layers, _, _, kv_heads, dim = self._v_all.shape
-        return self._v_all.view(layers, -1, kv_heads, dim), self._pairs_all
+    def slot_arrays(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(K, V) of every layer as flat slot arrays [L, slots, kv_heads, head_dim] (views), and
+        V's key-pair copy or None where the pool keeps none: what a kernel that writes the
+        caches and keeps the pairs in step itself takes (kernels.model_step, head_step)."""
+        layers, _, _, kv_heads, dim = self._k_all.shape
+        return self._k_all.view(layers, -1, kv_heads, dim), self._v_all.view(layers, -1, kv_heads, dim), self._pairs_all
 
     def sync_value_pairs(self) -> None:
         """Re-derive the pair copy of V from V everywhere: for code that writes self.v

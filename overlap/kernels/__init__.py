@@ -24,7 +24,7 @@ import torch
 
 SOURCES = [str(Path(__file__).with_name(n))
            for n in ("bindings.cpp", "linear_bf16.cpp", "linear_int8.cpp", "attention.cpp", "layer_ops.cpp",
-                     "tree_walk.cpp", "head_step.cpp")]
+                     "tree_walk.cpp", "model_step.cpp", "head_step.cpp")]
 
 # variant id → (name, compiler flags, CPU flags it needs)
 VARIANTS = {
@@ -193,28 +193,46 @@ def linear_int8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _library().linear_int8(x, packed_q, scale, weight.shape[0], bias, out_float)
 
 
-def head_matmul(weight: torch.Tensor, int8: bool, bias: torch.Tensor | None = None):
-    """One matmul of a fused head call (head_step.cpp): the weight's packed copy, bf16 or
-    int8 (kept on the weight, as `linear_bf16` / `linear_int8` keep them), and its bias."""
+def packed_matmul(weight: torch.Tensor, int8: bool, bias: torch.Tensor | None = None):
+    """One matmul of a fused call (model_step.cpp): the weight's packed copy, bf16 or int8
+    (kept on the weight, as `linear_bf16` / `linear_int8` keep them: no second copy), and its
+    bias."""
     if int8:
         packed_q, scale = int8_packed(weight)
-        return _library().head_matmul(packed_q, scale, weight.shape[0], bias)
-    return _library().head_matmul(packed(weight), None, weight.shape[0], bias)
+        return _library().packed_matmul(packed_q, scale, weight.shape[0], bias)
+    return _library().packed_matmul(packed(weight), None, weight.shape[0], bias)
+
+
+def layer_step(layer, int8: bool):
+    """A Llama decoder layer (overlap/models/llama.py, DecoderLayer) as the fused calls run it."""
+    matmuls = [packed_matmul(w, int8, b) for w, b in (
+        (layer.qkv_proj, layer.qkv_bias), (layer.o_proj, None), (layer.gate_up_proj, None), (layer.down_proj, None))]
+    return _library().DecoderLayerStep(matmuls, layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                       layer.num_heads, layer.num_kv_heads, layer.head_dim,
+                                       layer.input_layernorm.eps)
+
+
+def model_step(embed: torch.Tensor, layers: list, norm_final: torch.Tensor, lm_head, cos: torch.Tensor,
+               sin: torch.Tensor, eps: float):
+    """A decoder's whole forward as one call (model_step.cpp: the same kernels in the same
+    order as LlamaModel.forward, with the GIL released): layers = layer_step of each decoder
+    layer, lm_head = packed_matmul of the lm_head."""
+    return _library().ModelStep(embed, layers, norm_final, lm_head, cos, sin, eps)
 
 
 def head_step(embed: torch.Tensor, norm_embed: torch.Tensor | None, norm_hidden: torch.Tensor | None,
-              matmuls: list, input_norm: torch.Tensor, post_norm: torch.Tensor, norm_final: torch.Tensor | None,
-              cos: torch.Tensor, sin: torch.Tensor, vocab_ids: torch.Tensor | None, vocab: int,
-              heads: int, kv_heads: int, head_dim: int, eps: float):
+              fuse, layer, lm_head, norm_final: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+              vocab_ids: torch.Tensor | None, vocab: int, eps: float):
     """A head's forward as one call (head_step.cpp: the same kernels in the same order, with
-    the GIL released): matmuls = head_matmul of fuse, qkv, o, gate_up, down and the lm_head
-    (its trimmed rows where vocab_ids is given); a None norm: norms=False."""
+    the GIL released): fuse and lm_head = packed_matmul of those (the lm_head's trimmed rows
+    where vocab_ids is given), layer = layer_step of its decoder layer; a None norm:
+    norms=False."""
     empty = torch.empty(0, dtype=embed.dtype)
     return _library().HeadStep(embed, empty if norm_embed is None else norm_embed,
-                               empty if norm_hidden is None else norm_hidden, matmuls, input_norm, post_norm,
+                               empty if norm_hidden is None else norm_hidden, fuse, layer, lm_head,
                                empty if norm_final is None else norm_final, cos, sin,
                                torch.empty(0, dtype=torch.long) if vocab_ids is None else vocab_ids,
-                               vocab, heads, kv_heads, head_dim, eps)
+                               vocab, eps)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -5,9 +5,9 @@
 
 namespace py = pybind11;
 
-HeadMatmul head_matmul(torch::Tensor packed, c10::optional<torch::Tensor> scale, int64_t n,
-                       c10::optional<torch::Tensor> bias) {
-  return HeadMatmul{packed, scale.value_or(torch::Tensor()), bias.value_or(torch::Tensor()), n};
+PackedMatmul packed_matmul(torch::Tensor packed, c10::optional<torch::Tensor> scale, int64_t n,
+                           c10::optional<torch::Tensor> bias) {
+  return PackedMatmul{packed, scale.value_or(torch::Tensor()), bias.value_or(torch::Tensor()), n};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -28,18 +28,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("spread_columns", &spread_columns, "a trimmed vocabulary's scores into full rows, -inf elsewhere (layer_ops.cpp)");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of f32 rows, vectorised (layer_ops.cpp)");
   m.def("tree_walk_greedy", &tree_walk_greedy, "verify_tree_greedy's walk in one call (tree_walk.cpp)");
-  py::class_<HeadMatmul>(m, "HeadMatmul");
-  m.def("head_matmul", &head_matmul, "one of a head's matmuls: packed weight, int8 scales or None, columns, bias",
+  py::class_<PackedMatmul>(m, "PackedMatmul");
+  m.def("packed_matmul", &packed_matmul, "one matmul of a fused call: packed weight, int8 scales or None, columns, bias",
         py::arg("packed"), py::arg("scale"), py::arg("n"), py::arg("bias"));
+  py::class_<DecoderLayerStep>(m, "DecoderLayerStep")
+      .def(py::init([](std::vector<PackedMatmul> matmuls, torch::Tensor input_norm, torch::Tensor post_norm,
+                       int64_t heads, int64_t kv_heads, int64_t head_dim, double eps) {
+        TORCH_CHECK(matmuls.size() == 4, "DecoderLayerStep: qkv, o, gate_up and down matmuls");
+        return DecoderLayerStep{matmuls[0], matmuls[1], matmuls[2], matmuls[3], input_norm, post_norm,
+                                heads, kv_heads, head_dim, eps};
+      }));
+  py::class_<ModelStep>(m, "ModelStep")
+      .def(py::init([](torch::Tensor embed, std::vector<DecoderLayerStep> layers, torch::Tensor norm_final,
+                       PackedMatmul lm_head, torch::Tensor cos, torch::Tensor sin, double eps) {
+        return ModelStep{embed, std::move(layers), norm_final, lm_head, cos, sin, eps};
+      }))
+      // The whole pass runs without the GIL: it touches no Python object.
+      .def("forward", &ModelStep::forward, "a decoder's forward in one call (model_step.cpp)",
+           py::call_guard<py::gil_scoped_release>());
   py::class_<HeadStep>(m, "HeadStep")
-      .def(py::init([](torch::Tensor embed, torch::Tensor norm_embed, torch::Tensor norm_hidden,
-                       std::vector<HeadMatmul> matmuls, torch::Tensor input_norm, torch::Tensor post_norm,
-                       torch::Tensor norm_final, torch::Tensor cos, torch::Tensor sin, torch::Tensor vocab_ids,
-                       int64_t vocab, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps) {
-             TORCH_CHECK(matmuls.size() == 6, "HeadStep: fuse, qkv, o, gate_up, down and lm_head matmuls");
-             return HeadStep{embed, norm_embed, norm_hidden, matmuls[0], matmuls[1], matmuls[2], matmuls[3],
-                             matmuls[4], matmuls[5], input_norm, post_norm, norm_final, cos, sin, vocab_ids,
-                             vocab, heads, kv_heads, head_dim, eps};
+      .def(py::init([](torch::Tensor embed, torch::Tensor norm_embed, torch::Tensor norm_hidden, PackedMatmul fuse,
+                       DecoderLayerStep layer, PackedMatmul lm_head, torch::Tensor norm_final, torch::Tensor cos,
+                       torch::Tensor sin, torch::Tensor vocab_ids, int64_t vocab, double eps) {
+             return HeadStep{embed, norm_embed, norm_hidden, fuse, lm_head, layer, norm_final, cos, sin,
+                             vocab_ids, vocab, eps};
            }))
       // The whole call runs without the GIL: it touches no Python object.
       .def("forward", &HeadStep::forward, "the head's forward in one call (head_step.cpp)",
@@ -48,12 +60,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("forward_seqs",
            [](const HeadStep& step, const std::vector<int64_t>& ids, const std::vector<torch::Tensor>& hidden,
-              const std::vector<int64_t>& positions, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor v_all,
-              torch::Tensor pairs_all, const std::vector<int64_t>& q_lens, const std::vector<int64_t>& kv_lens,
+              const std::vector<int64_t>& positions, torch::Tensor k_all, torch::Tensor v_all, torch::Tensor pairs_all,
+              const std::vector<int64_t>& q_lens, const std::vector<int64_t>& kv_lens,
               const std::vector<std::vector<int64_t>>& page_tables,
               const std::vector<c10::optional<torch::Tensor>>& tree_masks, int64_t page_size,
               const std::vector<int64_t>& rows) {
-             return step.forward_seqs(long_tensor(ids), hidden, positions, k_cache, v_cache, v_all, pairs_all,
+             return step.forward_seqs(long_tensor(ids), hidden, positions, k_all, v_all, pairs_all,
                                       q_lens, kv_lens, page_tables, tree_masks, page_size, rows);
            },
            "the same with the ids as a list", py::call_guard<py::gil_scoped_release>());

@@ -19,13 +19,8 @@ bool given(const torch::Tensor& t) { return t.defined() && t.numel() > 0; }
 
 }  // namespace
 
-torch::Tensor HeadMatmul::operator()(const torch::Tensor& x, bool out_float) const {
-  const c10::optional<torch::Tensor> b = given(bias) ? c10::optional<torch::Tensor>(bias) : c10::nullopt;
-  return given(scale) ? linear_int8(x, packed, scale, n, b, out_float) : linear(x, packed, n, b, out_float);
-}
-
 std::vector<torch::Tensor> HeadStep::forward(torch::Tensor ids, torch::Tensor hidden, torch::Tensor positions,
-                                             torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor v_all,
+                                             torch::Tensor k_all, torch::Tensor v_all,
                                              torch::Tensor pairs_all, torch::Tensor slots, torch::Tensor q_start,
                                              torch::Tensor q_len, torch::Tensor kv_len, torch::Tensor page_table,
                                              int64_t page_size, torch::Tensor tree, c10::optional<torch::Tensor> rows) const {
@@ -39,22 +34,11 @@ std::vector<torch::Tensor> HeadStep::forward(torch::Tensor ids, torch::Tensor hi
     h = rms_norm(h, norm_hidden, eps);
   }
   auto x = fuse(torch::cat({e, h}, -1));
-  // 2. attention: project, rotate q and k in place, store the new K/V in their slots, attend.
-  auto qkv = qkv_proj(rms_norm(x, input_norm, eps));
-  const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, rot_heads = heads + kv_heads;
-  rotary_(qkv, cos.index_select(0, positions), sin.index_select(0, positions), rot_heads, head_dim);
-  auto qk = qkv.narrow(1, 0, q_size + kv_size).view({t, rot_heads, head_dim});
-  auto k = qk.narrow(1, heads, kv_heads);
-  auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads, head_dim});
-  k_cache.index_copy_(0, slots, k);
-  v_cache.index_copy_(0, slots, v);
-  if (given(pairs_all)) sync_value_pairs(v_all, pairs_all, slots, page_size, 0);
-  auto attn = paged_attention(qk.narrow(1, 0, heads), k_cache, v_cache, q_start, q_len, kv_len, page_table,
-                              page_size, tree, 1.0 / std::sqrt(double(head_dim)), false,
-                              given(pairs_all) ? c10::optional<torch::Tensor>(pairs_all[0]) : c10::nullopt);
-  x = x + o_proj(attn.view({t, -1}));
-  // 3. the SwiGLU MLP, then the head's final norm: g, the vector the lm_head reads.
-  x = x + down_proj(silu_mul(gate_up_proj(rms_norm(x, post_norm, eps))));
+  // 2. the decoder layer (its attention and SwiGLU MLP) over the head's one-layer caches.
+  const KvCaches caches{k_all, v_all, pairs_all};
+  const AttentionPlan plan{slots, q_start, q_len, kv_len, page_table, tree, page_size};
+  x = layer.forward(x, cos.index_select(0, positions), sin.index_select(0, positions), caches, 0, plan);
+  // 3. the head's final norm: g, the vector the lm_head reads.
   auto g = given(norm_final) ? rms_norm(x, norm_final, eps) : x;
   if (!rows.has_value()) return {g};
   // 4. logits at the rows asked for (f32; -inf outside a trimmed draft vocabulary).
@@ -63,15 +47,9 @@ std::vector<torch::Tensor> HeadStep::forward(torch::Tensor ids, torch::Tensor hi
   return {g, logits};
 }
 
-torch::Tensor long_tensor(const std::vector<int64_t>& values) {
-  auto t = torch::empty({int64_t(values.size())}, torch::kInt64);
-  std::copy(values.begin(), values.end(), t.data_ptr<int64_t>());
-  return t;
-}
-
 std::vector<torch::Tensor> HeadStep::forward_seqs(torch::Tensor ids, const std::vector<torch::Tensor>& hidden_parts,
-                                                  const std::vector<int64_t>& positions, torch::Tensor k_cache,
-                                                  torch::Tensor v_cache, torch::Tensor v_all, torch::Tensor pairs_all,
+                                                  const std::vector<int64_t>& positions, torch::Tensor k_all,
+                                                  torch::Tensor v_all, torch::Tensor pairs_all,
                                                   const std::vector<int64_t>& q_lens, const std::vector<int64_t>& kv_lens,
                                                   const std::vector<std::vector<int64_t>>& page_tables,
                                                   const std::vector<c10::optional<torch::Tensor>>& tree_masks,
@@ -125,7 +103,7 @@ std::vector<torch::Tensor> HeadStep::forward_seqs(torch::Tensor ids, const std::
   for (const auto& h : hidden_parts) parts.push_back(h.dim() == 1 ? h.unsqueeze(0) : h);
   const auto hidden = parts.size() == 1 ? parts[0] : torch::cat(parts);
   const auto picked = long_tensor(rows);
-  auto out = forward(ids, hidden, long_tensor(positions), k_cache, v_cache, v_all, pairs_all, slots, q_start, q_len,
+  auto out = forward(ids, hidden, long_tensor(positions), k_all, v_all, pairs_all, slots, q_start, q_len,
                      kv_len, table, page_size, tree, picked);
   return {out[0].index_select(0, picked), out[1]};
 }

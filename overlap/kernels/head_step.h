@@ -3,35 +3,25 @@
 #pragma once
 #include <torch/extension.h>
 
-// One matmul of the head: a packed bf16 weight (scale empty) or a packed int8 weight and its
-// per-row scales (the kernels' `linear` / `linear_int8`), n output columns, an optional bias.
-// A list of int64 as a CPU tensor (the planned call's positions, rows, ids from a list).
-torch::Tensor long_tensor(const std::vector<int64_t>& values);
-
-struct HeadMatmul {
-  torch::Tensor packed, scale, bias;
-  int64_t n = 0;
-  torch::Tensor operator()(const torch::Tensor& x, bool out_float = false) const;
-};
+#include "model_step.h"
 
 struct HeadStep {
   torch::Tensor embed;                    // [V, H] the target's embedding (shared)
   torch::Tensor norm_embed, norm_hidden;  // [H] each, or empty (norms=False)
-  HeadMatmul fuse, qkv_proj, o_proj, gate_up_proj, down_proj, lm_head;
-  torch::Tensor input_norm, post_norm;    // the decoder layer's norms [H]
+  PackedMatmul fuse, lm_head;
+  DecoderLayerStep layer;
   torch::Tensor norm_final;               // [H], or empty (norms=False)
   torch::Tensor cos, sin;                 // the rotary table [max_position, head_dim]
   torch::Tensor vocab_ids;                // [N] i64 ascending (a trimmed draft vocabulary), or empty
-  int64_t vocab = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  int64_t vocab = 0;
   double eps = 0;
 
-  // ids [T] i64, hidden [T, H] bf16, positions [T] i64; the head's one-layer caches as flat
-  // slot arrays (k_cache, v_cache [slots, Hkv, D]; v_all [1, slots, Hkv, D] and pairs_all
-  // [1, pages, Hkv, page_size / 2, D, 2] where it keeps value pairs, else empty) and the CPU
+  // ids [T] i64, hidden [T, H] bf16, positions [T] i64; the head's one-layer caches
+  // (model_step.h, KvCaches: k_all, v_all [1, slots, Hkv, D], pairs_all or empty) and the CPU
   // backend's plan (slots .. tree; an empty tree: causal); rows [R] i64 or None
   // → {g [T, H] bf16} or {g, logits [R, vocab] f32}.
   std::vector<torch::Tensor> forward(torch::Tensor ids, torch::Tensor hidden, torch::Tensor positions,
-                                     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor v_all,
+                                     torch::Tensor k_all, torch::Tensor v_all,
                                      torch::Tensor pairs_all, torch::Tensor slots, torch::Tensor q_start,
                                      torch::Tensor q_len, torch::Tensor kv_len, torch::Tensor page_table,
                                      int64_t page_size, torch::Tensor tree, c10::optional<torch::Tensor> rows) const;
@@ -43,7 +33,7 @@ struct HeadStep {
   // ([n, H] or one row [H]), concatenated here; bindings.cpp also takes the ids as a list.
   std::vector<torch::Tensor> forward_seqs(torch::Tensor ids, const std::vector<torch::Tensor>& hidden,
                                           const std::vector<int64_t>& positions,
-                                          torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor v_all,
+                                          torch::Tensor k_all, torch::Tensor v_all,
                                           torch::Tensor pairs_all, const std::vector<int64_t>& q_lens,
                                           const std::vector<int64_t>& kv_lens,
                                           const std::vector<std::vector<int64_t>>& page_tables,

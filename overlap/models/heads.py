@@ -50,13 +50,12 @@ from overlap.attention.cpu import CpuBackend, CpuMetadata
 from overlap.config import ModelConfig
 from overlap.device import upload
 from overlap.kv import KVPool
+from overlap.models import fused
 from overlap.models.llama import (DecoderLayer, LlamaModel, RMSNorm, int8_linear, linear, logits_linear, matmul_fn,
                                   spread_vocabulary)
 from overlap.models.rope import RotaryTable, rotate
 
 HEAD_TYPE = "mtp"
-_EMPTY = torch.empty(0, dtype=torch.bfloat16)  # the fused call's "none" for its optional caches
-_NO_TREE = torch.empty(0, dtype=torch.bool)
 
 
 class MTPHead(nn.Module):
@@ -126,9 +125,9 @@ class MTPHead(nn.Module):
         """input_ids [T] i64 (x_{j+1}), target_hidden [T, hidden] (H_j, or the head hidden of the
         previous chain step), positions [T] i64 (j) → (head hidden [T, hidden] in the head's
         dtype, logits [len(logits_indices), vocab] f32 or None). meta.slots are the slots of j."""
-        fused = self._fused_step(isinstance(meta, CpuMetadata))
-        if fused is not None:
-            return self._forward_fused(fused, input_ids, target_hidden, positions, kv, meta, logits_indices)
+        step = self._fused_step(isinstance(meta, CpuMetadata))
+        if step is not None:
+            return self._forward_fused(step, input_ids, target_hidden, positions, kv, meta, logits_indices)
         e = self.embed_tokens[input_ids].to(self.dtype)
         h = target_hidden.to(self.dtype)
         if self.norms:
@@ -148,10 +147,10 @@ class MTPHead(nn.Module):
         order) → (head hidden at `rows` [R, hidden], logits there [R, vocab] f32). On the CPU
         backend the fused call plans the attention itself: no plan object, no uploads, no
         concatenation in Python, one call without the GIL."""
-        fused = self._fused_step(isinstance(backend, CpuBackend))
-        if fused is not None:
+        step = self._fused_step(isinstance(backend, CpuBackend))
+        if step is not None:
             hidden = [h if h.dtype == self.dtype else h.to(self.dtype) for h in target_hidden]
-            g, logits = fused.forward_seqs(input_ids, hidden, positions, *_fused_caches(kv),
+            g, logits = step.forward_seqs(input_ids, hidden, positions, *fused.caches(kv),
                                            [s.q_len for s in seqs], [s.kv_len for s in seqs],
                                            [s.page_table for s in seqs], [s.tree_mask for s in seqs], page_size, rows)
             return g, logits
@@ -173,29 +172,19 @@ class MTPHead(nn.Module):
         moves); else None."""
         if not cpu_attention or self.linear not in (linear, int8_linear) or self._sharded():
             return None
-        # Versions only grow, so their sum moves with any in-place change; the shared tensors
-        # and the trimmed vocabulary may also be replaced (their ids).
-        cached = getattr(self, "_fused", None)
-        if cached is not None:
-            key, tensors, step = cached
-            if key == self._fused_key(tensors):
-                return step
-        tensors = self._fused_tensors()
-        if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" for t in tensors):
-            self._fused = (self._fused_key(tensors), tensors, None)
-            return None
-        layer, int8 = self.layer, self.linear is int8_linear
-        lm = self.lm_head if self.vocab_ids is None else self.lm_rows
-        matmuls = [kernels.head_matmul(w, int8, b) for w, b in (
-            (self.fuse, None), (layer.qkv_proj, layer.qkv_bias), (layer.o_proj, None), (layer.gate_up_proj, None),
-            (layer.down_proj, None), (lm, None))]
-        norm = (lambda name: getattr(self, name).weight) if self.norms else (lambda name: None)
-        step = kernels.head_step(self.embed_tokens, norm("norm_embed"), norm("norm_hidden"), matmuls,
-                                 layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                                 norm("norm"), self.rope.cos, self.rope.sin, self.vocab_ids, self.cfg.vocab_size,
-                                 layer.num_heads, layer.num_kv_heads, layer.head_dim, self.cfg.rms_norm_eps)
-        self._fused = (self._fused_key(tensors), tensors, step)
-        return step
+
+        def make(tensors):
+            int8 = self.linear is int8_linear
+            lm = self.lm_head if self.vocab_ids is None else self.lm_rows
+            norm = (lambda name: getattr(self, name).weight) if self.norms else (lambda name: None)
+            return kernels.head_step(self.embed_tokens, norm("norm_embed"), norm("norm_hidden"),
+                                     kernels.packed_matmul(self.fuse, int8), kernels.layer_step(self.layer, int8),
+                                     kernels.packed_matmul(lm, int8), norm("norm"), self.rope.cos, self.rope.sin,
+                                     self.vocab_ids, self.cfg.vocab_size, self.cfg.rms_norm_eps)
+
+        # The shared tensors and the trimmed vocabulary may be replaced: their ids.
+        identity = (id(self.embed_tokens), id(self.lm_head), id(self.vocab_ids))
+        return fused.kept_step(self, identity, self._fused_tensors, make)
 
     def _sharded(self) -> bool:
         """A tensor-parallel rank's head (models/tp.py, load_head_sharded): its layer's outputs
@@ -210,15 +199,11 @@ class MTPHead(nn.Module):
         out = list(self.parameters()) + [self.embed_tokens, self.lm_head, self.rope.cos, self.rope.sin]
         return out if self.vocab_ids is None else out + [self.lm_rows]
 
-    def _fused_key(self, tensors: list[torch.Tensor]) -> tuple:
-        return (sum(t._version for t in tensors), id(self.embed_tokens), id(self.lm_head), id(self.vocab_ids))
-
-    def _forward_fused(self, fused, input_ids: torch.Tensor, target_hidden: torch.Tensor, positions: torch.Tensor,
+    def _forward_fused(self, step, input_ids: torch.Tensor, target_hidden: torch.Tensor, positions: torch.Tensor,
                        kv: KVPool, meta: CpuMetadata, logits_indices: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        tree = _NO_TREE if meta.tree is None else meta.tree
-        out = fused.forward(input_ids, target_hidden.to(self.dtype), positions, *_fused_caches(kv), meta.slots,
-                            meta.q_start, meta.q_len, meta.kv_len, meta.page_table, meta.page_size, tree,
+        out = step.forward(input_ids, target_hidden.to(self.dtype), positions, *fused.caches(kv), meta.slots,
+                            meta.q_start, meta.q_len, meta.kv_len, meta.page_table, meta.page_size, fused.tree(meta.tree),
                             logits_indices)
         return out[0], (out[1] if len(out) > 1 else None)
 
@@ -274,14 +259,6 @@ class MTPHead(nn.Module):
                 self._lm_head_cast = cached
             weight = cached[1]
         return _dense_linear(hidden, weight)
-
-
-def _fused_caches(kv: KVPool) -> tuple[torch.Tensor, ...]:
-    """A head's one-layer KV pool as the fused calls take it (head_step.h): K and V as flat
-    slot arrays, then V of every layer and its key-pair copy, or two empty tensors where the
-    pool keeps no pairs."""
-    k, v = kv.flat(0)
-    return k, v, *(kv.value_pair_arrays() or (_EMPTY, _EMPTY))
 
 
 def _dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

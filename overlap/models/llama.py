@@ -15,10 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from overlap.attention.base import AttentionBackend
+from overlap.attention.cpu import CpuMetadata
 from overlap.config import ModelConfig
 from overlap import kernels
 from overlap.kernels import linear_bf16, linear_int8
 from overlap.kv import KVPool
+from overlap.models import fused
 from overlap.models.rope import RotaryTable, rotate
 
 MATMULS = ("exact", "fast")  # a target's: both keep its bf16 weights
@@ -188,6 +190,12 @@ class LlamaModel(nn.Module):
         """input_ids, positions [T] i64 → (hidden [T, hidden] after the final norm, or the
         concatenated outputs of `feature_layers` when a head asked for them, and logits
         [len(logits_indices), vocab] f32 or None)."""
+        step = self._fused_step(meta, kv)
+        if step is not None:  # the same ops in one kernel call
+            out = step.forward(input_ids, positions, *fused.caches(kv), meta.slots, meta.q_start, meta.q_len,
+                               meta.kv_len, meta.page_table, meta.page_size, fused.tree(meta.tree), logits_indices,
+                               list(self.feature_layers))
+            return out[0], (out[1] if len(out) > 1 else None)
         hidden, taps = self.forward_states(input_ids, positions, backend, kv, meta, self.feature_layers)
         # A head that reads several layers (EAGLE-3) gets them from this same pass: the
         # returned states are its features, the logits still come from the final hidden.
@@ -195,6 +203,34 @@ class LlamaModel(nn.Module):
         if logits_indices is None:
             return states, None
         return states, self.compute_logits(hidden[logits_indices])
+
+    def _fused_step(self, meta: Any, kv: KVPool):
+        """The whole pass as one kernel call (kernels.model_step: the same kernels in the same
+        order, so the same bits, without ~13 Python dispatches a layer, the GIL released
+        throughout), where it applies: bf16 on the CPU backend, the exact or int8 matmuls, a
+        single device's model with its own embedding and logits (not a tensor-parallel shard);
+        made once and again when a weight changes; else None."""
+        if (type(meta) is not CpuMetadata or type(kv) is not KVPool or self.linear not in (linear, int8_linear)
+                or type(self) is not LlamaModel or "compute_logits" in self.__dict__ or "embed" in self.__dict__):
+            return None
+
+        def make(tensors):
+            layers = self.layers
+            if any(type(layer) is not DecoderLayer or layer.reduce is not None or layer.linear is not self.linear
+                   for layer in layers):
+                return None
+            int8 = self.linear is int8_linear
+            return kernels.model_step(self.embed_tokens, [kernels.layer_step(layer, int8) for layer in layers],
+                                      self.norm.weight, kernels.packed_matmul(self.lm_head, int8), self.rope.cos,
+                                      self.rope.sin, self.norm.eps)
+
+        # A drafter's embedding and lm_head are the target's, which may be replaced: their ids.
+        return fused.kept_step(self, (id(self.embed_tokens), id(self.lm_head)), self._fused_tensors, make)
+
+    def _fused_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the fused pass reads (the weights, a drafter's shared embedding and
+        lm_head, the rotary table)."""
+        return list(self.parameters()) + [self.embed_tokens, self.lm_head, self.rope.cos, self.rope.sin]
 
     def forward_states(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
                        kv: KVPool, meta: Any, layers: tuple[int, ...] = ()

@@ -254,10 +254,10 @@ def test_fused_cpu_forward_equals_the_python_forward(matmul, norms, trim):
         kv.v[0].copy_(v0)
         kv.sync_value_pairs()
         g, logits = head(ids, hidden, positions, backend, kv, backend.plan(seqs, PAGE), rows)
-        return g, logits, kv._k_all, kv._v_all, kv.value_pair_arrays()[1]
+        return g, logits, kv._k_all, kv._v_all, kv.slot_arrays()[2]
 
     fused, python = run(True), run(False)
-    assert head._fused[2] is not None  # the fused call did run
+    assert head._fused.step is not None  # the fused call did run
     for got, want in zip(fused, python):
         assert torch.equal(got, want)
     assert torch.isinf(fused[1]).any() == trim
@@ -275,7 +275,7 @@ def test_fused_cpu_forward_equals_the_python_forward(matmul, norms, trim):
         n = sum(s.q_len for s in sequences)
         g, logits = head.forward_rows(ids[:n], [hidden[:n]], positions[:n].tolist(), sequences, rows[rows < n].tolist(),
                                       backend, kv, PAGE)
-        return g, logits, kv._k_all, kv._v_all, kv.value_pair_arrays()[1]
+        return g, logits, kv._k_all, kv._v_all, kv.slot_arrays()[2]
 
     for sequences in (seqs, seqs[1:], seqs[:1]):  # trees beside causal rows, a tree alone, causal alone
         for got, want in zip(run_rows(True, sequences), run_rows(False, sequences)):
