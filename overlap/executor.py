@@ -38,7 +38,9 @@ from overlap.config import EngineConfig
 from overlap.device import Device, Event, HostCopy, host_io, upload
 from overlap.futures import EventFuture
 from overlap.graphs import GraphRunner
+from overlap import kernels
 from overlap.kv import KVPool, slot_mapping
+from overlap.models import fused
 from overlap.models.llama import LlamaModel
 from overlap.sampling import SamplingTensors, probabilities, row_argmax, sample
 from overlap.speculative.base import DraftLayout, DraftRequest, FinishedStep, Proposal, Proposer, TreeLayout, Verified
@@ -491,6 +493,15 @@ class Executor:
         the controller, which learns chains and trees on the same steps from it)."""
         st, tb, index = step.sampling, step.tree, step.index
         b, n, depth, dev = len(step.sampled), step.width, tb.depth, self.device
+        if st.all_greedy and self._host_verify(logits):
+            # The same ops as below in two kernel calls (kernels/tree_walk.cpp): ~35 calls of a
+            # few microseconds each over a handful of integers, a step's cost that only
+            # speculation pays.
+            tokens, accepted, path, top_accepted = kernels.verify_trees_greedy(
+                logits, index["padded_all"], nodes, tb.parents, tb.order, depth, tb.width, tb.top_nodes)
+            moved = kernels.compact_paths(accepted, path, tb.slots, index["sampled_starts"], tb.moved_rows, hidden,
+                                          *fused.caches(self.kv), self.kv.page_size)
+            return tokens, accepted, moved, top_accepted
         if st.all_greedy:
             # The target's argmax after each tree's root and nodes, [S, N+1]: the walk on
             # one-hot p without building it (6.3 -> 0.9 ms for an 8-node tree on a CPU: the
@@ -519,6 +530,12 @@ class Executor:
         moved = hidden.clone()
         moved[tb.moved_rows.reshape(-1)] = hidden[src_rows.reshape(-1)]
         return tokens, accepted, moved, top_accepted
+
+    @staticmethod
+    def _host_verify(logits: torch.Tensor) -> bool:
+        """Whether a greedy tree step verifies through the CPU kernels: f32 logits (and so the
+        step, its pool and its trees) on the CPU."""
+        return logits.device.type == "cpu" and logits.dtype == torch.float32
 
     def _target_forward(self, step: PreparedStep, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The target forward → (hidden [T, H], logits [len(logits_rows), V] f32), through a

@@ -306,3 +306,24 @@ def tree_walk_greedy(target_best: torch.Tensor, tokens: torch.Tensor, parents: t
     outputs (tree_walk.cpp): (tokens [B, D+1], num_accepted [B], path [B, D])."""
     out, accepted, path = _library().tree_walk_greedy(target_best, tokens, parents, order, depth, max_children)
     return out, accepted, path
+
+
+def verify_trees_greedy(logits: torch.Tensor, rows_at: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                        order: torch.Tensor, depth: int, max_children: int, top_nodes: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A greedy tree step's verification on CPU tensors in one call (tree_walk.cpp): the
+    argmax of each logits row into its cell rows_at of the [B, N+1] table, the walk
+    (tree_walk_greedy) and speculative.tree.top_path_accepted → (tokens [B, D+1],
+    num_accepted [B], path [B, D], top_accepted [B])."""
+    out = _library().verify_trees_greedy(logits, rows_at, tokens, parents, order, depth, max_children, top_nodes)
+    return out[0], out[1], out[2], out[3]
+
+
+def compact_paths(accepted: torch.Tensor, path: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+                  moved_rows: torch.Tensor, hidden: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+                  pairs_all: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The accepted paths' KV (every layer, in place; k_all, v_all, pairs_all as
+    KVPool.slot_arrays gives them, an empty pairs_all for none) and hidden states moved into
+    place in one call (tree_walk.cpp) → the moved hidden states."""
+    return _library().compact_paths(accepted, path, slots, starts, moved_rows, hidden, k_all, v_all, pairs_all,
+                                    page_size)

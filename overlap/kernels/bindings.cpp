@@ -28,6 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("spread_columns", &spread_columns, "a trimmed vocabulary's scores into full rows, -inf elsewhere (layer_ops.cpp)");
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, -1) of f32 rows, vectorised (layer_ops.cpp)");
   m.def("tree_walk_greedy", &tree_walk_greedy, "verify_tree_greedy's walk in one call (tree_walk.cpp)");
+  m.def("verify_trees_greedy", &verify_trees_greedy, "argmax, walk and top path of a greedy tree step (tree_walk.cpp)");
+  m.def("compact_paths", &compact_paths, "accepted paths' KV and hidden states moved into place (tree_walk.cpp)");
   py::class_<PackedMatmul>(m, "PackedMatmul");
   m.def("packed_matmul", &packed_matmul, "one matmul of a fused call: packed weight, int8 scales or None, columns, bias",
         py::arg("packed"), py::arg("scale"), py::arg("n"), py::arg("bias"));

@@ -25,3 +25,9 @@ torch::Tensor argmax_rows(torch::Tensor x);
 torch::Tensor spread_columns(torch::Tensor sub, torch::Tensor ids, int64_t vocab);
 std::vector<torch::Tensor> tree_walk_greedy(torch::Tensor target_best, torch::Tensor tokens, torch::Tensor parents,
                                             torch::Tensor order, int64_t depth, int64_t max_children);
+std::vector<torch::Tensor> verify_trees_greedy(torch::Tensor logits, torch::Tensor rows_at, torch::Tensor tokens,
+                                               torch::Tensor parents, torch::Tensor order, int64_t depth,
+                                               int64_t max_children, torch::Tensor top_nodes);
+torch::Tensor compact_paths(torch::Tensor accepted, torch::Tensor path, torch::Tensor slots, torch::Tensor starts,
+                            torch::Tensor moved_rows, torch::Tensor hidden, torch::Tensor k_all, torch::Tensor v_all,
+                            torch::Tensor pairs_all, int64_t page_size);

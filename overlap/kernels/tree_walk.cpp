@@ -18,6 +18,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "kernels.h"
+
 std::vector<torch::Tensor> tree_walk_greedy(torch::Tensor target_best, torch::Tensor tokens, torch::Tensor parents,
                                             torch::Tensor order, int64_t depth, int64_t max_children) {
   for (const auto& t : {target_best, tokens, parents, order})
@@ -93,4 +95,89 @@ std::vector<torch::Tensor> tree_walk_greedy(torch::Tensor target_best, torch::Te
     out_p[row * (depth + 1) + a] = rb[current];  // recovered or bonus: the argmax
   }
   return {out, accepted, path};
+}
+
+// The greedy verification of a step's trees (overlap/executor.py, _verify_trees) for CPU
+// tensors in one call: the target's argmax at each verified row, the walk above, and how many
+// drafts each tree's top path alone would have accepted (speculative/tree.py,
+// top_path_accepted). The same outputs as those torch ops (~20 calls of a few microseconds
+// over a handful of integers). logits [R, V] f32; rows_at [R] i64: each row's cell in the
+// [B, N+1] table of argmaxes (cells no row fills stay 0); top_nodes [B, D] i64 (0 past the
+// path's end) → {tokens, num_accepted, path, top_accepted [B] (-1 where no top path)}.
+std::vector<torch::Tensor> verify_trees_greedy(torch::Tensor logits, torch::Tensor rows_at, torch::Tensor tokens,
+                                               torch::Tensor parents, torch::Tensor order, int64_t depth,
+                                               int64_t max_children, torch::Tensor top_nodes) {
+  const int64_t b = tokens.size(0), n = tokens.size(1);
+  TORCH_CHECK(rows_at.scalar_type() == torch::kLong && rows_at.numel() == logits.size(0) &&
+                  top_nodes.scalar_type() == torch::kLong && top_nodes.dim() == 2 && top_nodes.size(0) == b,
+              "verify_trees_greedy: one cell per logits row, top_nodes [B, D] i64");
+  // 1. the argmax after the root and each node, [B, N+1]
+  auto best = torch::zeros({b * (n + 1)}, tokens.options());
+  best.index_put_({rows_at}, argmax_rows(logits));
+  best = best.view({b, n + 1});
+  // 2. the walk
+  auto walked = tree_walk_greedy(best, tokens, parents, order, depth, max_children);
+  // 3. the top path's leading depths whose node holds the target's choice after its parent
+  top_nodes = top_nodes.contiguous();
+  const int64_t top_depth = top_nodes.size(1);
+  const int64_t* top = top_nodes.data_ptr<int64_t>();
+  const int64_t* best_p = best.data_ptr<int64_t>();
+  const int64_t* tok = tokens.contiguous().data_ptr<int64_t>();
+  auto top_accepted = torch::empty({b}, tokens.options());
+  int64_t* top_acc = top_accepted.data_ptr<int64_t>();
+  for (int64_t row = 0; row < b; ++row) {
+    const int64_t* nodes = top + row * top_depth;
+    if (top_depth == 0 || nodes[0] <= 0) {
+      top_acc[row] = -1;
+      continue;
+    }
+    int64_t hits = 0;
+    for (int64_t d = 0; d < top_depth && nodes[d] > 0 && nodes[d] <= n; ++d) {
+      const int64_t parent = d == 0 ? 0 : nodes[d - 1];
+      if (tok[row * n + nodes[d] - 1] != best_p[row * (n + 1) + parent]) break;
+      ++hits;
+    }
+    top_acc[row] = hits;
+  }
+  return {walked[0], walked[1], walked[2], top_accepted};
+}
+
+// The accepted paths moved into place (executor.py, _verify_trees' compaction): the node at
+// depth i of row b's accepted path moves its KV from slots[b, path[b, i]] to slots[b, 1 + i]
+// in every layer (k_all, v_all [L, slots, Hkv, D], gathered before any is written, and V's
+// pair copy re-derived there where pairs is given), and its hidden state from row
+// starts[b] + path[b, i] to moved_rows[b, i]; depths past the accepted ones stay where they
+// are. → the moved hidden states (a copy of hidden).
+torch::Tensor compact_paths(torch::Tensor accepted, torch::Tensor path, torch::Tensor slots, torch::Tensor starts,
+                            torch::Tensor moved_rows, torch::Tensor hidden, torch::Tensor k_all, torch::Tensor v_all,
+                            torch::Tensor pairs_all, int64_t page_size) {
+  const int64_t b = path.size(0), depth = path.size(1), width = slots.size(1);
+  TORCH_CHECK(slots.size(0) == b && width >= depth + 1 && moved_rows.sizes() == path.sizes() &&
+                  accepted.numel() == b && starts.numel() == b,
+              "compact_paths: path, moved_rows [B, D], slots [B, >= D+1], accepted, starts [B]");
+  accepted = accepted.contiguous(), path = path.contiguous(), slots = slots.contiguous();
+  starts = starts.contiguous(), moved_rows = moved_rows.contiguous();
+  const int64_t *acc = accepted.data_ptr<int64_t>(), *pth = path.data_ptr<int64_t>();
+  const int64_t *slot = slots.data_ptr<int64_t>(), *start = starts.data_ptr<int64_t>();
+  const int64_t* moved_to = moved_rows.data_ptr<int64_t>();
+  auto src_slots = torch::empty({b * depth}, torch::kLong), dst_slots = torch::empty({b * depth}, torch::kLong);
+  auto src_rows = torch::empty({b * depth}, torch::kLong);
+  int64_t *src = src_slots.data_ptr<int64_t>(), *dst = dst_slots.data_ptr<int64_t>();
+  int64_t* from = src_rows.data_ptr<int64_t>();
+  for (int64_t row = 0; row < b; ++row)
+    for (int64_t d = 0; d < depth; ++d) {
+      const int64_t i = row * depth + d;
+      const bool kept = d < acc[row];
+      TORCH_CHECK(!kept || (pth[i] >= 0 && pth[i] < width), "compact_paths: a path node outside its tree");
+      dst[i] = slot[row * width + 1 + d];
+      src[i] = kept ? slot[row * width + pth[i]] : dst[i];
+      from[i] = kept ? start[row] + pth[i] : moved_to[i];
+    }
+  // 1. KV, as KVPool.copy_slots moves it
+  for (auto cache : {k_all, v_all}) cache.index_copy_(1, dst_slots, cache.index_select(1, src_slots));
+  if (pairs_all.defined() && pairs_all.numel() > 0) sync_value_pairs(v_all, pairs_all, dst_slots, page_size, -1);
+  // 2. the hidden states the drafter's catch-up reads
+  auto moved = hidden.clone();
+  moved.index_copy_(0, moved_rows.view({-1}), hidden.index_select(0, src_rows));
+  return moved;
 }

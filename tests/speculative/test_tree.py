@@ -259,3 +259,63 @@ def test_tree_shapes():
     assert t.parents() == [0, 0, 1, 1, 2, 3, 3]
     table = children_table(torch.tensor([t.parents()]), torch.tensor([t.sibling_order()]), 2)
     assert table[0, 0].tolist() == [1, 2] and table[0, 1].tolist() == [3, 4] and table[0, 7].tolist() == [0, 0]
+
+
+def test_the_compiled_verification_tail_equals_the_torch_ops():
+    """kernels.verify_trees_greedy and kernels.compact_paths (tree_walk.cpp: what a greedy tree
+    step runs on the CPU, executor._verify_trees) against the torch ops CUDA runs: the argmax
+    table, the walk, the top path's count, and the accepted paths' KV (every layer, V's pair
+    copy) and hidden states moved into place; rows with fewer drafts (cells left 0), ties in
+    the logits, top paths of every length and none."""
+    from overlap import kernels
+    from overlap.kv import KVPool
+
+    shape, gen = TreeShape.default(3, 2, 8), torch.Generator().manual_seed(5)
+    b, n, depth, page, vocab = 64, shape.size, shape.depth, 4, 6
+    parents = torch.tensor(shape.parents()).repeat(b, 1)
+    order = torch.tensor(shape.sibling_order()).repeat(b, 1)
+    tokens = torch.randint(0, vocab, (b, n), generator=gen)
+    drafted = torch.randint(0, n + 1, (b,), generator=gen)  # rows verified per tree: drafted + 1
+    rows_at = torch.cat([torch.arange(i * (n + 1), i * (n + 1) + k + 1) for i, k in enumerate(drafted.tolist())])
+    logits = torch.randint(0, 4, (len(rows_at), vocab), generator=gen).float()  # ties: the first wins
+    first_path = [i + 1 for i, p in enumerate(shape.parents()) if i == 0 or p == i][:depth]  # nodes 1, 2, ...
+    top = torch.tensor([(first_path[:int(k)] + [0] * depth)[:depth] for k in torch.randint(0, depth + 1, (b,), generator=gen)])
+
+    best = torch.zeros(b * (n + 1), dtype=torch.long)
+    best[rows_at] = logits.argmax(-1)
+    best = best.view(b, n + 1)
+    want = verify_tree_greedy(best, tokens, parents, order, depth, shape.max_children(), torch_only=True)
+    want = (*want, top_path_accepted(top, want[2], want[1], tokens, best))
+    got = kernels.verify_trees_greedy(logits, rows_at, tokens, parents, order, depth, shape.max_children(), top)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert (got[3] == -1).any() and (got[3] > 0).any() and (got[1] > 0).any()
+    accepted, path = got[1], got[2]
+
+    # The compaction: each tree's block of n + 1 rows and slots; depth i moves to slot/row 1 + i.
+    layers, heads, dim = 2, 2, 8
+    slots = torch.randperm(b * (n + 1) * 2, generator=gen)[: b * (n + 1)].view(b, n + 1)
+    starts = torch.arange(b) * (n + 1)
+    moved_rows = starts[:, None] + 1 + torch.arange(depth)[None, :]
+    hidden = torch.randn(b * (n + 1), 16, generator=gen)
+    pages = b * (n + 1) * 2 // page
+
+    def pool():
+        kv = KVPool(layers, pages, page, heads, dim, torch.bfloat16, value_pairs=True)
+        kv._k_all.copy_(torch.randn(kv._k_all.shape, generator=torch.Generator().manual_seed(1)))
+        kv._v_all.copy_(torch.randn(kv._v_all.shape, generator=torch.Generator().manual_seed(2)))
+        kv.sync_value_pairs()
+        return kv
+
+    ref = pool()
+    keep = torch.arange(depth)[None, :] < accepted[:, None]
+    dst = slots[:, 1:depth + 1]
+    ref.copy_slots(torch.where(keep, slots.gather(1, path), dst).reshape(-1), dst.reshape(-1))
+    moved_ref = hidden.clone()
+    moved_ref[moved_rows.reshape(-1)] = hidden[torch.where(keep, starts[:, None] + path, moved_rows).reshape(-1)]
+    kv = pool()
+    k, v, pairs = kv.slot_arrays()
+    moved = kernels.compact_paths(accepted, path, slots, starts, moved_rows, hidden, k, v, pairs, page)
+    assert torch.equal(moved, moved_ref) and not torch.equal(moved, hidden)
+    for a, r in zip(kv.slot_arrays(), ref.slot_arrays()):
+        assert torch.equal(a, r)
