@@ -16,9 +16,11 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "kernels.h"
+#include "model_step.h"
 
 std::vector<torch::Tensor> tree_walk_greedy(torch::Tensor target_best, torch::Tensor tokens, torch::Tensor parents,
                                             torch::Tensor order, int64_t depth, int64_t max_children) {
@@ -160,9 +162,8 @@ torch::Tensor compact_paths(torch::Tensor accepted, torch::Tensor path, torch::T
   const int64_t *acc = accepted.data_ptr<int64_t>(), *pth = path.data_ptr<int64_t>();
   const int64_t *slot = slots.data_ptr<int64_t>(), *start = starts.data_ptr<int64_t>();
   const int64_t* moved_to = moved_rows.data_ptr<int64_t>();
-  auto src_slots = torch::empty({b * depth}, torch::kLong), dst_slots = torch::empty({b * depth}, torch::kLong);
+  std::vector<int64_t> src(b * depth), dst(b * depth);
   auto src_rows = torch::empty({b * depth}, torch::kLong);
-  int64_t *src = src_slots.data_ptr<int64_t>(), *dst = dst_slots.data_ptr<int64_t>();
   int64_t* from = src_rows.data_ptr<int64_t>();
   for (int64_t row = 0; row < b; ++row)
     for (int64_t d = 0; d < depth; ++d) {
@@ -173,9 +174,34 @@ torch::Tensor compact_paths(torch::Tensor accepted, torch::Tensor path, torch::T
       src[i] = kept ? slot[row * width + pth[i]] : dst[i];
       from[i] = kept ? start[row] + pth[i] : moved_to[i];
     }
-  // 1. KV, as KVPool.copy_slots moves it
-  for (auto cache : {k_all, v_all}) cache.index_copy_(1, dst_slots, cache.index_select(1, src_slots));
-  if (pairs_all.defined() && pairs_all.numel() > 0) sync_value_pairs(v_all, pairs_all, dst_slots, page_size, -1);
+  // 1. KV, as KVPool.copy_slots moves it, but only the slots that change: a node already in
+  // its place (the top path's, mostly) and the depths not accepted copy onto themselves.
+  // Every source is read before any destination is written (a source may be another's
+  // destination), as index_select then index_copy_ did.
+  std::vector<int64_t> from_slot, to_slot;
+  for (int64_t i = 0; i < b * depth; ++i)
+    if (src[i] != dst[i]) from_slot.push_back(src[i]), to_slot.push_back(dst[i]);
+  if (!from_slot.empty()) {
+    TORCH_CHECK(k_all.is_contiguous() && v_all.is_contiguous() && k_all.dim() == 4 && v_all.sizes() == k_all.sizes(),
+                "compact_paths: contiguous K and V [L, slots, Hkv, D]");
+    const int64_t layers = k_all.size(0), num_slots = k_all.size(1), per_slot = k_all.size(2) * k_all.size(3);
+    const int64_t moves = int64_t(from_slot.size()), bytes = per_slot * k_all.element_size();
+    for (int64_t i = 0; i < moves; ++i)
+      TORCH_CHECK(from_slot[i] >= 0 && from_slot[i] < num_slots && to_slot[i] >= 0 && to_slot[i] < num_slots,
+                  "compact_paths: a slot outside the pool");
+    std::vector<char> staged(size_t(layers * moves * bytes));
+    for (auto cache : {k_all, v_all}) {
+      char* base = static_cast<char*>(cache.data_ptr());
+      for (int64_t l = 0; l < layers; ++l)
+        for (int64_t i = 0; i < moves; ++i)
+          std::memcpy(staged.data() + (l * moves + i) * bytes, base + (l * num_slots + from_slot[i]) * bytes, bytes);
+      for (int64_t l = 0; l < layers; ++l)
+        for (int64_t i = 0; i < moves; ++i)
+          std::memcpy(base + (l * num_slots + to_slot[i]) * bytes, staged.data() + (l * moves + i) * bytes, bytes);
+    }
+    if (pairs_all.defined() && pairs_all.numel() > 0)
+      sync_value_pairs(v_all, pairs_all, long_tensor(to_slot), page_size, -1);
+  }
   // 2. the hidden states the drafter's catch-up reads
   auto moved = hidden.clone();
   moved.index_copy_(0, moved_rows.view({-1}), hidden.index_select(0, src_rows));
