@@ -193,6 +193,11 @@ def linear_int8(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _library().linear_int8(x, packed_q, scale, weight.shape[0], bias, out_float)
 
 
+def version_watch(tensors: list[torch.Tensor]):
+    """An object whose sum() is the sum of these tensors' version counters, read in one call."""
+    return _library().VersionWatch(tensors)
+
+
 def packed_matmul(weight: torch.Tensor, int8: bool, bias: torch.Tensor | None = None):
     """One matmul of a fused call (model_step.cpp): the weight's packed copy, bf16 or int8
     (kept on the weight, as `linear_bf16` / `linear_int8` keep them: no second copy), and its

@@ -30,6 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_walk_greedy", &tree_walk_greedy, "verify_tree_greedy's walk in one call (tree_walk.cpp)");
   m.def("verify_trees_greedy", &verify_trees_greedy, "argmax, walk and top path of a greedy tree step (tree_walk.cpp)");
   m.def("compact_paths", &compact_paths, "accepted paths' KV and hidden states moved into place (tree_walk.cpp)");
+  py::class_<VersionWatch>(m, "VersionWatch")
+      .def(py::init([](std::vector<torch::Tensor> tensors) { return VersionWatch{std::move(tensors)}; }))
+      .def("sum", &VersionWatch::sum, "the tensors' version counters, summed");
   py::class_<PackedMatmul>(m, "PackedMatmul");
   m.def("packed_matmul", &packed_matmul, "one matmul of a fused call: packed weight, int8 scales or None, columns, bias",
         py::arg("packed"), py::arg("scale"), py::arg("n"), py::arg("bias"));

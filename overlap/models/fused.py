@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from overlap import kernels
 from overlap.kv import KVPool
 
 EMPTY = torch.empty(0, dtype=torch.bfloat16)  # a fused call's "none" for its optional tensors
@@ -32,14 +33,11 @@ class Kept:
     shared one is replaced (`identity`: the ids of what may be swapped)."""
 
     def __init__(self, tensors: list[torch.Tensor], identity: tuple, step):
-        self.tensors, self.identity, self.step = tensors, identity, step
-        self.version = self._version_sum()
-
-    def _version_sum(self) -> int:
-        return sum(t._version for t in self.tensors)
+        self.watch, self.identity, self.step = kernels.version_watch(tensors), identity, step
+        self.version = self.watch.sum()
 
     def current(self, identity: tuple) -> bool:
-        return identity == self.identity and self._version_sum() == self.version
+        return identity == self.identity and self.watch.sum() == self.version
 
 
 def kept_step(owner, identity: tuple, tensors: Callable[[], list[torch.Tensor]], make: Callable[[list], object]):
