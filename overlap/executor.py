@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from overlap import kernels
 from overlap.attention import make_backend
 from overlap.attention.base import AttentionBackend, SeqAttention
 from overlap.batch import BatchPlan, SeqOutput, SeqWork, StepOutput
@@ -38,7 +39,6 @@ from overlap.config import EngineConfig
 from overlap.device import Device, Event, HostCopy, host_io, upload
 from overlap.futures import EventFuture
 from overlap.graphs import GraphRunner
-from overlap import kernels
 from overlap.kv import KVPool, slot_mapping
 from overlap.models import fused
 from overlap.models.llama import LlamaModel

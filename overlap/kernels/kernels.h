@@ -1,6 +1,6 @@
 // The CPU kernels' entry points, defined in their own files (linear_bf16.cpp, linear_int8.cpp,
 // attention.cpp, layer_ops.cpp, tree_walk.cpp): declared once for the files that call them
-// (bindings.cpp, head_step.cpp).
+// (bindings.cpp, model_step.cpp, head_step.cpp, tree_walk.cpp).
 #pragma once
 #include <torch/extension.h>
 
