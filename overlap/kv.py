@@ -56,6 +56,9 @@ class KVPool:
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move KV entries between slots in every layer (tree compaction); src, dst [N] i64."""
+        if self._k_all.device.type == "cpu":  # one kernel call: row copies of the slots that change
+            kernels.move_slots(*self.slot_arrays(), src, dst, self.page_size)
+            return
         for cache in (self._k_all, self._v_all):
             slots = cache.view(cache.shape[0], -1, *cache.shape[3:])  # [layers, slots, kv_heads, head_dim]
             slots.index_copy_(1, dst, slots.index_select(1, src))

@@ -324,6 +324,14 @@ def verify_trees_greedy(logits: torch.Tensor, rows_at: torch.Tensor, tokens: tor
     return out[0], out[1], out[2], out[3]
 
 
+def move_slots(k_all: torch.Tensor, v_all: torch.Tensor, pairs_all: torch.Tensor | None, src: torch.Tensor,
+               dst: torch.Tensor, page_size: int) -> None:
+    """KV slots moved in every layer in one call (tree_walk.cpp; KVPool.copy_slots on the CPU):
+    slot dst[i] takes what src[i] held (every source read first), V's key-pair copy kept in
+    step where pairs_all is given; k_all, v_all as KVPool.slot_arrays gives them."""
+    _library().move_slots(k_all, v_all, pairs_all, src, dst, page_size)
+
+
 def compact_paths(accepted: torch.Tensor, path: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
                   moved_rows: torch.Tensor, hidden: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
                   pairs_all: torch.Tensor, page_size: int) -> torch.Tensor:

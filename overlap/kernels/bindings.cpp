@@ -30,6 +30,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tree_walk_greedy", &tree_walk_greedy, "verify_tree_greedy's walk in one call (tree_walk.cpp)");
   m.def("verify_trees_greedy", &verify_trees_greedy, "argmax, walk and top path of a greedy tree step (tree_walk.cpp)");
   m.def("compact_paths", &compact_paths, "accepted paths' KV and hidden states moved into place (tree_walk.cpp)");
+  m.def("move_slots",
+        [](torch::Tensor k_all, torch::Tensor v_all, c10::optional<torch::Tensor> pairs_all, torch::Tensor src,
+           torch::Tensor dst, int64_t page_size) {
+          TORCH_CHECK(src.scalar_type() == torch::kLong && dst.scalar_type() == torch::kLong, "move_slots: i64 slots");
+          src = src.contiguous(), dst = dst.contiguous();
+          const std::vector<int64_t> from(src.data_ptr<int64_t>(), src.data_ptr<int64_t>() + src.numel());
+          const std::vector<int64_t> to(dst.data_ptr<int64_t>(), dst.data_ptr<int64_t>() + dst.numel());
+          move_slots(k_all, v_all, pairs_all.value_or(torch::Tensor()), from, to, page_size);
+        },
+        "KV slots moved in every layer, V's pairs kept in step (tree_walk.cpp)");
   py::class_<VersionWatch>(m, "VersionWatch")
       .def(py::init([](std::vector<torch::Tensor> tensors) { return VersionWatch{std::move(tensors)}; }))
       .def("sum", &VersionWatch::sum, "the tensors' version counters, summed");

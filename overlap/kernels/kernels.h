@@ -28,6 +28,8 @@ std::vector<torch::Tensor> tree_walk_greedy(torch::Tensor target_best, torch::Te
 std::vector<torch::Tensor> verify_trees_greedy(torch::Tensor logits, torch::Tensor rows_at, torch::Tensor tokens,
                                                torch::Tensor parents, torch::Tensor order, int64_t depth,
                                                int64_t max_children, torch::Tensor top_nodes);
+void move_slots(torch::Tensor k_all, torch::Tensor v_all, torch::Tensor pairs_all, const std::vector<int64_t>& src,
+                const std::vector<int64_t>& dst, int64_t page_size);
 torch::Tensor compact_paths(torch::Tensor accepted, torch::Tensor path, torch::Tensor slots, torch::Tensor starts,
                             torch::Tensor moved_rows, torch::Tensor hidden, torch::Tensor k_all, torch::Tensor v_all,
                             torch::Tensor pairs_all, int64_t page_size);

@@ -310,7 +310,10 @@ def test_the_compiled_verification_tail_equals_the_torch_ops():
     ref = pool()
     keep = torch.arange(depth)[None, :] < accepted[:, None]
     dst = slots[:, 1:depth + 1]
-    ref.copy_slots(torch.where(keep, slots.gather(1, path), dst).reshape(-1), dst.reshape(-1))
+    src, dst = torch.where(keep, slots.gather(1, path), dst).reshape(-1), dst.reshape(-1)
+    for cache in ref.slot_arrays()[:2]:  # the torch ops (KVPool.copy_slots on CUDA), not the kernel
+        cache.index_copy_(1, dst, cache.index_select(1, src))
+    ref.sync_value_pairs()
     moved_ref = hidden.clone()
     moved_ref[moved_rows.reshape(-1)] = hidden[torch.where(keep, starts[:, None] + path, moved_rows).reshape(-1)]
     kv = pool()
