@@ -40,15 +40,15 @@ class Kept:
         return identity == self.identity and self.watch.sum() == self.version
 
 
-def kept_step(owner, identity: tuple, tensors: Callable[[], list[torch.Tensor]], make: Callable[[list], object]):
+def kept_step(owner, identity: tuple, tensors: Callable[[], list[torch.Tensor]], make: Callable[[], object]):
     """owner's fused call (None where it does not apply: make returned None, or a tensor it
-    would read is not bf16 on the CPU), made by make(tensors) when there is none or it is no
-    longer current."""
+    would read is not bf16 on the CPU), made by make() when there is none or it is no longer
+    current; `tensors` lists what it reads."""
     kept = owner.__dict__.get("_fused")
     if kept is not None and kept.current(identity):
         return kept.step
     read = tensors()
     bf16_cpu = all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in read)
-    kept = Kept(read, identity, make(read) if bf16_cpu else None)
+    kept = Kept(read, identity, make() if bf16_cpu else None)
     owner.__dict__["_fused"] = kept
     return kept.step

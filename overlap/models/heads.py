@@ -173,7 +173,7 @@ class MTPHead(nn.Module):
         if not cpu_attention or self.linear not in (linear, int8_linear) or self._sharded():
             return None
 
-        def make(tensors):
+        def make():
             int8 = self.linear is int8_linear
             lm = self.lm_head if self.vocab_ids is None else self.lm_rows
             norm = (lambda name: getattr(self, name).weight) if self.norms else (lambda name: None)

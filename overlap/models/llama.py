@@ -214,7 +214,7 @@ class LlamaModel(nn.Module):
                 or type(self) is not LlamaModel or "compute_logits" in self.__dict__ or "embed" in self.__dict__):
             return None
 
-        def make(tensors):
+        def make():
             layers = self.layers
             if any(type(layer) is not DecoderLayer or layer.reduce is not None or layer.linear is not self.linear
                    for layer in layers):
