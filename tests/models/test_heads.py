@@ -244,15 +244,19 @@ def test_fused_cpu_forward_equals_the_python_forward(matmul, norms, trim):
     seqs = [SeqAttention(2, 7, [1, 2]), SeqAttention(3, 11, [3, 4, 5], tree_mask=tree_mask_from_parents([-1, 0, 0]))]
     positions, rows = torch.tensor([5, 6, 8, 9, 9]), torch.tensor([1, 4, 2])
 
+    def pool():
+        kv = KVPool(1, 8, PAGE, c.num_kv_heads, c.head_dim, torch.bfloat16, value_pairs=True)
+        kv.k[0].copy_(k0)
+        kv.v[0].copy_(v0)
+        kv.sync_value_pairs()
+        return kv
+
     def run(fused: bool):
         if fused:
             head.__dict__.pop("_fused_step", None)
         else:
             head._fused_step = lambda meta: None  # the op-by-op forward
-        kv = KVPool(1, 8, PAGE, c.num_kv_heads, c.head_dim, torch.bfloat16, value_pairs=True)
-        kv.k[0].copy_(k0)
-        kv.v[0].copy_(v0)
-        kv.sync_value_pairs()
+        kv = pool()
         g, logits = head(ids, hidden, positions, backend, kv, backend.plan(seqs, PAGE), rows)
         return g, logits, kv._k_all, kv._v_all, kv.slot_arrays()[2]
 
@@ -268,10 +272,7 @@ def test_fused_cpu_forward_equals_the_python_forward(matmul, norms, trim):
             head.__dict__.pop("_fused_step", None)
         else:
             head._fused_step = lambda cpu_attention: None
-        kv = KVPool(1, 8, PAGE, c.num_kv_heads, c.head_dim, torch.bfloat16, value_pairs=True)
-        kv.k[0].copy_(k0)
-        kv.v[0].copy_(v0)
-        kv.sync_value_pairs()
+        kv = pool()
         n = sum(s.q_len for s in sequences)
         g, logits = head.forward_rows(ids[:n], [hidden[:n]], positions[:n].tolist(), sequences, rows[rows < n].tolist(),
                                       backend, kv, PAGE)
