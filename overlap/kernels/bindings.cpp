@@ -83,5 +83,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return step.forward_seqs(long_tensor(ids), hidden, positions, k_all, v_all, pairs_all,
                                       q_lens, kv_lens, page_tables, tree_masks, page_size, rows);
            },
-           "the same with the ids as a list", py::call_guard<py::gil_scoped_release>());
+           "the same with the ids as a list", py::call_guard<py::gil_scoped_release>())
+      .def("expand_tree", &HeadStep::expand_tree, "an EAGLE tree's expansion in one call (head_step.cpp)",
+           py::call_guard<py::gil_scoped_release>());
+  py::class_<TreePlan>(m, "TreePlan")
+      .def(py::init([](const std::vector<py::tuple>& levels, int64_t num_nodes, int64_t top_k) {
+        // levels: (draws [(parent, children, ranks)], rows, row_index, row_parents, mask, depth_offsets)
+        TreePlan plan;
+        plan.num_nodes = num_nodes;
+        plan.top_k = top_k;
+        for (const auto& l : levels) {
+          TreeLevel level;
+          for (const auto& d : l[0].cast<std::vector<py::tuple>>()) {
+            level.parents.push_back(d[0].cast<int64_t>());
+            level.children.push_back(d[1].cast<torch::Tensor>());
+            level.ranks.push_back(d[2].cast<torch::Tensor>());
+          }
+          level.rows = l[1].cast<std::vector<int64_t>>();
+          level.row_index = l[2].cast<torch::Tensor>();
+          level.row_parents = l[3].cast<std::vector<int64_t>>();
+          level.mask = l[4].cast<c10::optional<torch::Tensor>>();
+          level.depth_offsets = l[5].cast<std::vector<int64_t>>();
+          plan.levels.push_back(std::move(level));
+        }
+        return plan;
+      }));
 }

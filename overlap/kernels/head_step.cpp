@@ -9,6 +9,7 @@
 // (docs/mtp_eagle.md, "Session 33"). Here the whole call runs with the GIL released.
 #include <torch/extension.h>
 #include <cmath>
+#include <unordered_map>
 
 #include "head_step.h"
 #include "kernels.h"
@@ -106,4 +107,52 @@ std::vector<torch::Tensor> HeadStep::forward_seqs(torch::Tensor ids, const std::
   auto out = forward(ids, hidden, long_tensor(positions), k_all, v_all, pairs_all, slots, q_start, q_len,
                      kv_len, table, page_size, tree, picked);
   return {out[0].index_select(0, picked), out[1]};
+}
+
+torch::Tensor HeadStep::top_tokens(const torch::Tensor& logits, int64_t k) const {
+  if (!given(vocab_ids) || vocab_ids.numel() < k)
+    return std::get<1>(logits.topk(std::min(k, logits.size(-1))));
+  return vocab_ids.index({std::get<1>(logits.index_select(1, vocab_ids).topk(k))});
+}
+
+torch::Tensor HeadStep::expand_tree(const TreePlan& plan, torch::Tensor root_logits, torch::Tensor root_hidden,
+                                    const std::vector<int64_t>& start_pos,
+                                    const std::vector<std::vector<int64_t>>& page_tables, torch::Tensor k_all,
+                                    torch::Tensor v_all, torch::Tensor pairs_all, int64_t page_size) const {
+  const int64_t b = root_logits.size(0);
+  TORCH_CHECK(int64_t(start_pos.size()) == b && int64_t(page_tables.size()) == b,
+              "expand_tree: one root position and page table per sequence");
+  auto tokens = torch::zeros({b, plan.num_nodes + 1}, torch::kInt64);  // column 0: the root
+  // Per node: the head output its children are ranked from (the root's: the carried one).
+  std::unordered_map<int64_t, torch::Tensor> node_logits{{0, root_logits}}, node_hidden{{0, root_hidden}};
+  for (const auto& level : plan.levels) {
+    // 1. this level's nodes get their tokens from their parents' top-ranked tokens
+    for (size_t p = 0; p < level.parents.size(); ++p) {
+      auto best = top_tokens(node_logits.at(level.parents[p]), plan.top_k);
+      tokens.index_put_({torch::indexing::Slice(), level.children[p]}, best.index_select(1, level.ranks[p]));
+    }
+    if (level.rows.empty()) break;
+    // 2. the head over every internal node so far (ancestors visible), for the next level;
+    // the root sits at position n, a row of depth d drafts from position n - 1 + d.
+    const int64_t q = int64_t(level.rows.size());
+    auto ids = tokens.index_select(1, level.row_index).reshape({-1});
+    std::vector<torch::Tensor> parents;
+    for (auto r : level.row_parents) parents.push_back(node_hidden.at(r));
+    auto hidden = torch::stack(parents, 1).reshape({b * q, -1});
+    std::vector<int64_t> positions, q_lens(b, q), kv_lens, rows(b * q);
+    for (int64_t s = 0; s < b; ++s) {
+      for (auto offset : level.depth_offsets) positions.push_back(start_pos[s] + offset);
+      kv_lens.push_back(start_pos[s] + q);
+    }
+    for (int64_t r = 0; r < b * q; ++r) rows[r] = r;
+    const std::vector<c10::optional<torch::Tensor>> masks(b, level.mask);
+    auto out = forward_seqs(ids, {hidden}, positions, k_all, v_all, pairs_all, q_lens, kv_lens, page_tables, masks,
+                            page_size, rows);
+    auto g = out[0].view({b, q, -1}), logits = out[1].view({b, q, -1});
+    for (int64_t j = 0; j < q; ++j) {
+      node_logits[level.rows[j]] = logits.select(1, j);
+      node_hidden[level.rows[j]] = g.select(1, j);
+    }
+  }
+  return tokens.narrow(1, 1, plan.num_nodes);
 }

@@ -5,6 +5,23 @@
 
 #include "model_step.h"
 
+// An EAGLE tree's expansion levels (overlap/speculative/eagle.py, _Level), fixed by the
+// tree's shape: made once per shape from Python, read by HeadStep::expand_tree every step.
+struct TreeLevel {
+  std::vector<int64_t> parents;                             // the nodes whose children this level draws
+  std::vector<torch::Tensor> children, ranks;               // per parent: its children here [c], their ranks [c]
+  std::vector<int64_t> rows;                                // the internal nodes the head runs on next
+  torch::Tensor row_index;                                  // [q] i64: rows, as token columns
+  std::vector<int64_t> row_parents;                         // each row's parent (whose head hidden it reads)
+  c10::optional<torch::Tensor> mask;                        // [q, q] the rows' ancestor mask
+  std::vector<int64_t> depth_offsets;                       // each row's depth - 1
+};
+
+struct TreePlan {
+  std::vector<TreeLevel> levels;
+  int64_t num_nodes = 0, top_k = 0;
+};
+
 struct HeadStep {
   torch::Tensor embed;                    // [V, H] the target's embedding (shared)
   torch::Tensor norm_embed, norm_hidden;  // [H] each, or empty (norms=False)
@@ -39,4 +56,18 @@ struct HeadStep {
                                           const std::vector<std::vector<int64_t>>& page_tables,
                                           const std::vector<c10::optional<torch::Tensor>>& tree_masks,
                                           int64_t page_size, const std::vector<int64_t>& rows) const;
+
+  // EagleProposer.propose_tree in one call: every level's top-ranked tokens from its
+  // parents' head outputs (the root's: root_logits [B, V] f32, root_hidden [B, H]), then the
+  // head over the level's internal nodes (forward_seqs, the same call the proposer makes) →
+  // the node tokens [B, N] i64. Per sequence: its root's position and its page table.
+  torch::Tensor expand_tree(const TreePlan& plan, torch::Tensor root_logits, torch::Tensor root_hidden,
+                            const std::vector<int64_t>& start_pos,
+                            const std::vector<std::vector<int64_t>>& page_tables, torch::Tensor k_all,
+                            torch::Tensor v_all, torch::Tensor pairs_all, int64_t page_size) const;
+
+ private:
+  // EagleProposer._top_tokens: the k best tokens of each row [B, k], best first (over the
+  // trimmed vocabulary's columns where there is one).
+  torch::Tensor top_tokens(const torch::Tensor& logits, int64_t k) const;
 };

@@ -164,6 +164,20 @@ class MTPHead(nn.Module):
         g, logits = self(input_ids, hidden, pos, backend, kv, meta, picked)
         return g[picked], logits
 
+    def expand_tree(self, plan, root_logits: torch.Tensor, root_hidden: torch.Tensor, start_pos: list[int],
+                    page_tables: list[list[int]], backend: AttentionBackend, kv: KVPool,
+                    page_size: int) -> torch.Tensor | None:
+        """An EAGLE tree's expansion (EagleProposer.propose_tree) in one call where the fused
+        call applies: its levels' top-ranked tokens and head calls in C++ (head_step.cpp,
+        expand_tree: the same calls in the same order, so the same tokens), without ~20 torch
+        calls and their Python a step. plan: () → kernels.tree_plan, asked for only here.
+        → node tokens [B, N] i64, or None where the fused call does not apply."""
+        step = self._fused_step(isinstance(backend, CpuBackend))
+        if step is None:
+            return None
+        return step.expand_tree(plan(), root_logits, root_hidden, start_pos, page_tables, *fused.caches(kv),
+                                page_size)
+
     def _fused_step(self, cpu_attention: bool):
         """The whole forward as one kernel call (kernels.head_step: the same kernels in the same
         order, so the same bits, without ~25 Python dispatches, the GIL released throughout),

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 
+from overlap import kernels
 from overlap.attention.base import AttentionBackend, SeqAttention, tree_mask_from_parents
 from overlap.batch import BatchPlan, SeqWork
 from overlap.device import upload
@@ -85,6 +86,7 @@ class EagleProposer(HeadProposer):
         self.verified_shapes[self.num_nodes] = _VerifiedShape(parents, self.sibling_order, self.verify_mask, depths,
                                                               self.top_path)
         self._level_plans: dict[frozenset[int] | None, list[_Level]] = {}
+        self._tree_plans: dict[frozenset[int] | None, object] = {}  # the same, as kernels.tree_plan
         self.top_k = max(shape.ranks()) + 1  # tokens ranked per expanded node
 
     def _granted(self, k: int, seq: SeqWork) -> int:
@@ -181,6 +183,17 @@ class EagleProposer(HeadProposer):
         self._level_plans[key] = levels
         return levels
 
+    def _tree_plan(self, only: set[int] | None):
+        """The expansion levels for `only` as the head's one-call expansion reads them."""
+        key = None if only is None else frozenset(only)
+        plan = self._tree_plans.get(key)
+        if plan is None:
+            levels = [([(parent, nodes, ranks) for parent, nodes, ranks in level.draws], level.rows,
+                       level.row_index, level.row_parents, level.mask, level.depth_offsets)
+                      for level in self._levels(only)]
+            plan = self._tree_plans[key] = kernels.tree_plan(levels, self.num_nodes, self.top_k)
+        return plan
+
     def propose_tree(self, seqs: list[SeqWork], only: set[int] | None = None) -> torch.Tensor:
         """→ node tokens [B, N] i64 for every sequence of `seqs` (the same shape for all).
         only: the nodes wanted (ancestor-closed, e.g. a prefix of the top path); the others'
@@ -189,6 +202,12 @@ class EagleProposer(HeadProposer):
         device = self.kv.k[0].device
         logits = torch.stack([self.carried[s.seq_id][0] for s in seqs])  # [B, V] root's head output
         root_hidden = torch.stack([self.carried[s.seq_id][1] for s in seqs])  # [B, H]
+        # The levels below in one call where the head's fused call applies (the CPU backend).
+        tokens = self.head.expand_tree(lambda: self._tree_plan(only), logits, root_hidden,
+                                       [s.start_pos for s in seqs], [s.page_table for s in seqs], self.backend,
+                                       self.kv, self.page_size)
+        if tokens is not None:
+            return tokens
         tokens = torch.zeros(b, self.num_nodes + 1, dtype=torch.long, device=device)  # col 0: root
         # Per node: the head output its children are ranked from (root: the carried logits).
         node_logits: dict[int, torch.Tensor] = {0: logits}

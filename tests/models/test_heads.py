@@ -284,3 +284,54 @@ def test_fused_cpu_forward_equals_the_python_forward(matmul, norms, trim):
     with torch.no_grad():
         head.layer.o_proj.mul_(2)  # in place: the packed copies must follow
     assert torch.equal(run(True)[1], run(False)[1])
+
+
+@pytest.mark.parametrize("matmul", ["exact", "int8"])
+@pytest.mark.parametrize("trim", [False, True])
+def test_the_one_call_tree_expansion_equals_the_python_levels(matmul, trim):
+    """bf16 on the CPU backend, EAGLE's tree expansion runs as one call (MTPHead.expand_tree,
+    head_step.cpp): the same node tokens and the same head KV (and value pairs) as the
+    proposer's levels in Python, for the whole tree and for chains along its top path, over
+    two sequences at different positions (value pairs where the CPU keeps them: AMX)."""
+    from overlap.attention.cpu import CpuBackend
+    from overlap.batch import SeqWork
+    from overlap.speculative.eagle import EagleProposer
+    from overlap.speculative.tree import TreeShape
+
+    target = tiny_target(dtype=torch.bfloat16)
+    head = MTPHead(target.cfg, target, norms=True, matmul=matmul)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + torch.randn(p.shape, generator=gen) * 0.1)
+    head.requires_grad_(False).eval()
+    if trim:
+        head.trim_vocabulary(torch.randperm(512, generator=gen)[:100])
+    c, shape = head.cfg, TreeShape.default(depth=3, topk=2, tokens=5)
+    k0 = torch.randn(8, PAGE, c.num_kv_heads, c.head_dim, generator=gen).bfloat16()
+    v0 = torch.randn(8, PAGE, c.num_kv_heads, c.head_dim, generator=gen).bfloat16()
+    seqs = [SeqWork(0, [3], 9, [1, 2, 3], True), SeqWork(1, [7], 13, [4, 5, 6, 7], True)]
+    carried = {s.seq_id: (torch.randn(512, generator=gen), torch.randn(c.hidden_size, generator=gen).bfloat16())
+               for s in seqs}
+
+    def expand(one_call: bool, only):
+        proposer = EagleProposer(head, CpuBackend(), 8, PAGE, shape)
+        proposer.kv.k[0].copy_(k0)
+        proposer.kv.v[0].copy_(v0)
+        proposer.kv.sync_value_pairs()
+        proposer.carried = dict(carried)
+        if not one_call:
+            head.expand_tree = lambda *args: None  # the proposer's levels in Python
+        try:
+            tokens = proposer.propose_tree(seqs, only)
+        finally:
+            head.__dict__.pop("expand_tree", None)
+        assert bool(proposer._tree_plans) == one_call  # the path asked for is the one that ran
+        return tokens, proposer.kv._k_all, proposer.kv._v_all, proposer.kv.slot_arrays()[2]
+
+    top = EagleProposer(head, CpuBackend(), 8, PAGE, shape).top_path
+    for only in (None, set(top[:1]), set(top[:2]), set(top)):
+        got, want = expand(True, only), expand(False, only)
+        assert got[0].shape == (2, shape.size)
+        for g, w in zip(got, want):
+            assert (g is None and w is None) or torch.equal(g, w)  # no value pairs off AMX
