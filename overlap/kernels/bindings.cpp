@@ -69,10 +69,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              vocab_ids, vocab, eps};
            }))
       // The whole call runs without the GIL: it touches no Python object.
-      .def("forward", &HeadStep::forward, "the head's forward in one call (head_step.cpp)",
-           py::call_guard<py::gil_scoped_release>())
-      .def("forward_seqs", &HeadStep::forward_seqs, "the same, planned from the step's lists (head_step.cpp)",
-           py::call_guard<py::gil_scoped_release>())
+      .def("forward",
+           [](const HeadStep& step, torch::Tensor ids, torch::Tensor hidden, torch::Tensor positions,
+              torch::Tensor k_all, torch::Tensor v_all, torch::Tensor pairs_all, torch::Tensor slots,
+              torch::Tensor q_start, torch::Tensor q_len, torch::Tensor kv_len, torch::Tensor page_table,
+              int64_t page_size, torch::Tensor tree, c10::optional<torch::Tensor> rows) {
+             return step.forward(ids, hidden, positions, k_all, v_all, pairs_all, slots, q_start, q_len, kv_len,
+                                 page_table, page_size, tree, rows);
+           },
+           "the head's forward in one call (head_step.cpp)", py::call_guard<py::gil_scoped_release>())
+      .def("forward_seqs",
+           [](const HeadStep& step, torch::Tensor ids, const std::vector<torch::Tensor>& hidden,
+              const std::vector<int64_t>& positions, torch::Tensor k_all, torch::Tensor v_all, torch::Tensor pairs_all,
+              const std::vector<int64_t>& q_lens, const std::vector<int64_t>& kv_lens,
+              const std::vector<std::vector<int64_t>>& page_tables,
+              const std::vector<c10::optional<torch::Tensor>>& tree_masks, int64_t page_size,
+              const std::vector<int64_t>& rows) {
+             return step.forward_seqs(ids, hidden, positions, k_all, v_all, pairs_all, q_lens, kv_lens, page_tables,
+                                      tree_masks, page_size, rows);
+           },
+           "the same, planned from the step's lists (head_step.cpp)", py::call_guard<py::gil_scoped_release>())
       .def("forward_seqs",
            [](const HeadStep& step, const std::vector<int64_t>& ids, const std::vector<torch::Tensor>& hidden,
               const std::vector<int64_t>& positions, torch::Tensor k_all, torch::Tensor v_all, torch::Tensor pairs_all,

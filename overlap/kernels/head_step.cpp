@@ -24,7 +24,8 @@ std::vector<torch::Tensor> HeadStep::forward(torch::Tensor ids, torch::Tensor hi
                                              torch::Tensor k_all, torch::Tensor v_all,
                                              torch::Tensor pairs_all, torch::Tensor slots, torch::Tensor q_start,
                                              torch::Tensor q_len, torch::Tensor kv_len, torch::Tensor page_table,
-                                             int64_t page_size, torch::Tensor tree, c10::optional<torch::Tensor> rows) const {
+                                             int64_t page_size, torch::Tensor tree, c10::optional<torch::Tensor> rows,
+                                             bool spread) const {
   TORCH_CHECK(hidden.scalar_type() == torch::kBFloat16 && hidden.dim() == 2, "head_step: bf16 hidden [T, H]");
   const int64_t t = ids.size(0);
   // 1. the input: the token's embedding and the hidden state it pairs with, fused to one vector.
@@ -44,7 +45,7 @@ std::vector<torch::Tensor> HeadStep::forward(torch::Tensor ids, torch::Tensor hi
   if (!rows.has_value()) return {g};
   // 4. logits at the rows asked for (f32; -inf outside a trimmed draft vocabulary).
   auto logits = lm_head(g.index_select(0, *rows), true);
-  if (given(vocab_ids)) logits = spread_columns(logits, vocab_ids, vocab);
+  if (given(vocab_ids) && spread) logits = spread_columns(logits, vocab_ids, vocab);
   return {g, logits};
 }
 
@@ -54,7 +55,8 @@ std::vector<torch::Tensor> HeadStep::forward_seqs(torch::Tensor ids, const std::
                                                   const std::vector<int64_t>& q_lens, const std::vector<int64_t>& kv_lens,
                                                   const std::vector<std::vector<int64_t>>& page_tables,
                                                   const std::vector<c10::optional<torch::Tensor>>& tree_masks,
-                                                  int64_t page_size, const std::vector<int64_t>& rows) const {
+                                                  int64_t page_size, const std::vector<int64_t>& rows,
+                                                  bool spread) const {
   const int64_t b = int64_t(q_lens.size());
   TORCH_CHECK(b > 0 && int64_t(kv_lens.size()) == b && int64_t(page_tables.size()) == b &&
                   int64_t(tree_masks.size()) == b, "head_step: one q_len, kv_len, page table and mask per sequence");
@@ -105,14 +107,14 @@ std::vector<torch::Tensor> HeadStep::forward_seqs(torch::Tensor ids, const std::
   const auto hidden = parts.size() == 1 ? parts[0] : torch::cat(parts);
   const auto picked = long_tensor(rows);
   auto out = forward(ids, hidden, long_tensor(positions), k_all, v_all, pairs_all, slots, q_start, q_len,
-                     kv_len, table, page_size, tree, picked);
+                     kv_len, table, page_size, tree, picked, spread);
   return {out[0].index_select(0, picked), out[1]};
 }
 
-torch::Tensor HeadStep::top_tokens(const torch::Tensor& logits, int64_t k) const {
+torch::Tensor HeadStep::top_tokens(const torch::Tensor& logits, int64_t k, bool trimmed) const {
   if (!given(vocab_ids) || vocab_ids.numel() < k)
     return std::get<1>(logits.topk(std::min(k, logits.size(-1))));
-  return vocab_ids.index({std::get<1>(logits.index_select(1, vocab_ids).topk(k))});
+  return vocab_ids.index({std::get<1>((trimmed ? logits : logits.index_select(1, vocab_ids)).topk(k))});
 }
 
 torch::Tensor HeadStep::expand_tree(const TreePlan& plan, torch::Tensor root_logits, torch::Tensor root_hidden,
@@ -128,7 +130,10 @@ torch::Tensor HeadStep::expand_tree(const TreePlan& plan, torch::Tensor root_log
   for (const auto& level : plan.levels) {
     // 1. this level's nodes get their tokens from their parents' top-ranked tokens
     for (size_t p = 0; p < level.parents.size(); ++p) {
-      auto best = top_tokens(node_logits.at(level.parents[p]), plan.top_k);
+      // (the root's logits are the carried ones, over the whole vocabulary; the nodes' are
+      // this call's, over the trimmed one's columns where there is one)
+      const int64_t parent = level.parents[p];
+      auto best = top_tokens(node_logits.at(parent), plan.top_k, parent != 0);
       tokens.index_put_({torch::indexing::Slice(), level.children[p]}, best.index_select(1, level.ranks[p]));
     }
     if (level.rows.empty()) break;
@@ -147,7 +152,7 @@ torch::Tensor HeadStep::expand_tree(const TreePlan& plan, torch::Tensor root_log
     for (int64_t r = 0; r < b * q; ++r) rows[r] = r;
     const std::vector<c10::optional<torch::Tensor>> masks(b, level.mask);
     auto out = forward_seqs(ids, {hidden}, positions, k_all, v_all, pairs_all, q_lens, kv_lens, page_tables, masks,
-                            page_size, rows);
+                            page_size, rows, /*spread=*/false);
     auto g = out[0].view({b, q, -1}), logits = out[1].view({b, q, -1});
     for (int64_t j = 0; j < q; ++j) {
       node_logits[level.rows[j]] = logits.select(1, j);

@@ -41,7 +41,8 @@ struct HeadStep {
                                      torch::Tensor k_all, torch::Tensor v_all,
                                      torch::Tensor pairs_all, torch::Tensor slots, torch::Tensor q_start,
                                      torch::Tensor q_len, torch::Tensor kv_len, torch::Tensor page_table,
-                                     int64_t page_size, torch::Tensor tree, c10::optional<torch::Tensor> rows) const;
+                                     int64_t page_size, torch::Tensor tree, c10::optional<torch::Tensor> rows,
+                                     bool spread = true) const;
 
   // The same call planned here from the step's lists (what CpuBackend.plan computes from its
   // SeqAttention list, without its Python and its tensors): positions [T]; per sequence its
@@ -55,7 +56,8 @@ struct HeadStep {
                                           const std::vector<int64_t>& kv_lens,
                                           const std::vector<std::vector<int64_t>>& page_tables,
                                           const std::vector<c10::optional<torch::Tensor>>& tree_masks,
-                                          int64_t page_size, const std::vector<int64_t>& rows) const;
+                                          int64_t page_size, const std::vector<int64_t>& rows,
+                                          bool spread = true) const;
 
   // EagleProposer.propose_tree in one call: every level's top-ranked tokens from its
   // parents' head outputs (the root's: root_logits [B, V] f32, root_hidden [B, H]), then the
@@ -68,6 +70,7 @@ struct HeadStep {
 
  private:
   // EagleProposer._top_tokens: the k best tokens of each row [B, k], best first (over the
-  // trimmed vocabulary's columns where there is one).
-  torch::Tensor top_tokens(const torch::Tensor& logits, int64_t k) const;
+  // trimmed vocabulary's columns where there is one); trimmed: logits holds only those
+  // columns (forward's spread = false), the same values index_select would pick.
+  torch::Tensor top_tokens(const torch::Tensor& logits, int64_t k, bool trimmed) const;
 };
