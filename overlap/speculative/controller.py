@@ -213,6 +213,9 @@ class StepCostModel:
         # EXACT + 1 row counts a step for the branches that may fire (_Branches), mostly the same
         # few again and again. Bounded: without plain steps nothing else clears it.
         self._steps: dict[float, float] = {}
+        # (sequences, tree) → spec_overhead_ms: a step's search asks for the same few a dozen
+        # times (each a fit over the buckets); every observed step may change them.
+        self._overheads: dict[tuple[int, bool], float] = {}
 
     @classmethod
     def from_report(cls, report: dict, drafter: str | None = None, batch=None) -> "StepCostModel":
@@ -305,6 +308,12 @@ class StepCostModel:
         return self.drafter_fraction * self._base(rows)
 
     def spec_overhead_ms(self, speculating: int, tree: bool = False) -> float:
+        key = (speculating, tree)
+        if key not in self._overheads:
+            self._overheads[key] = self._overhead_ms(speculating, tree)
+        return self._overheads[key]
+
+    def _overhead_ms(self, speculating: int, tree: bool) -> float:
         # This kind's buckets only: a kind not seen yet is free, so it gets tried and measured
         # (borrowing the tree's price kept EAGLE's cheaper chains from ever being tried).
         seen = {b: o for (b, t), o in self.overhead.items() if o.ready and t == tree}
@@ -337,6 +346,7 @@ class StepCostModel:
 
     def observe(self, rows: int, drafter_rows: list[int], ms: float, speculating: int = 0,
                 catch_up_rows: int = 0, tree: bool = False, prompt_rows: int = 0) -> None:
+        self._overheads.clear()
         if ms <= 0:
             return
         self.clock += 1
