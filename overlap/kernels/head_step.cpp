@@ -125,6 +125,9 @@ torch::Tensor HeadStep::expand_tree(const TreePlan& plan, torch::Tensor root_log
   TORCH_CHECK(int64_t(start_pos.size()) == b && int64_t(page_tables.size()) == b,
               "expand_tree: one root position and page table per sequence");
   auto tokens = torch::zeros({b, plan.num_nodes + 1}, torch::kInt64);  // column 0: the root
+  // The nodes' logits stay over the trimmed vocabulary's columns where top_tokens reads only
+  // those (not where it has fewer than k: it then ranks the whole vocabulary, -inf and all).
+  const bool trimmed = given(vocab_ids) && vocab_ids.numel() >= plan.top_k;
   // Per node: the head output its children are ranked from (the root's: the carried one).
   std::unordered_map<int64_t, torch::Tensor> node_logits{{0, root_logits}}, node_hidden{{0, root_hidden}};
   for (const auto& level : plan.levels) {
@@ -133,7 +136,7 @@ torch::Tensor HeadStep::expand_tree(const TreePlan& plan, torch::Tensor root_log
       // (the root's logits are the carried ones, over the whole vocabulary; the nodes' are
       // this call's, over the trimmed one's columns where there is one)
       const int64_t parent = level.parents[p];
-      auto best = top_tokens(node_logits.at(parent), plan.top_k, parent != 0);
+      auto best = top_tokens(node_logits.at(parent), plan.top_k, trimmed && parent != 0);
       tokens.index_put_({torch::indexing::Slice(), level.children[p]}, best.index_select(1, level.ranks[p]));
     }
     if (level.rows.empty()) break;
@@ -152,7 +155,7 @@ torch::Tensor HeadStep::expand_tree(const TreePlan& plan, torch::Tensor root_log
     for (int64_t r = 0; r < b * q; ++r) rows[r] = r;
     const std::vector<c10::optional<torch::Tensor>> masks(b, level.mask);
     auto out = forward_seqs(ids, {hidden}, positions, k_all, v_all, pairs_all, q_lens, kv_lens, page_tables, masks,
-                            page_size, rows, /*spread=*/false);
+                            page_size, rows, /*spread=*/!trimmed);
     auto g = out[0].view({b, q, -1}), logits = out[1].view({b, q, -1});
     for (int64_t j = 0; j < q; ++j) {
       node_logits[level.rows[j]] = logits.select(1, j);

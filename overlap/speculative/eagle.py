@@ -188,8 +188,7 @@ class EagleProposer(HeadProposer):
         key = None if only is None else frozenset(only)
         plan = self._tree_plans.get(key)
         if plan is None:
-            levels = [([(parent, nodes, ranks) for parent, nodes, ranks in level.draws], level.rows,
-                       level.row_index, level.row_parents, level.mask, level.depth_offsets)
+            levels = [(level.draws, level.rows, level.row_index, level.row_parents, level.mask, level.depth_offsets)
                       for level in self._levels(only)]
             plan = self._tree_plans[key] = kernels.tree_plan(levels, self.num_nodes, self.top_k)
         return plan
