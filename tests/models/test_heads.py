@@ -215,6 +215,21 @@ def test_f32_dense_logits_over_a_bf16_target_cast_its_lm_head_once():
     assert torch.allclose(head.dense_logits(hidden), 2 * want)
 
 
+def bf16_head(matmul: str, norms: bool, trim: int, seed: int) -> tuple[MTPHead, torch.Generator]:
+    """A random bf16 head on the tiny bf16 target (the fused CPU calls' case), its draft
+    vocabulary trimmed to `trim` random tokens (0: not trimmed); and the generator, to go on with."""
+    target = tiny_target(dtype=torch.bfloat16)
+    head = MTPHead(target.cfg, target, norms=norms, matmul=matmul)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + torch.randn(p.shape, generator=gen) * 0.1)
+    head.requires_grad_(False).eval()
+    if trim:
+        head.trim_vocabulary(torch.randperm(512, generator=gen)[:trim])
+    return head, gen
+
+
 @pytest.mark.parametrize("matmul", ["exact", "int8"])
 @pytest.mark.parametrize("norms", [True, False])
 @pytest.mark.parametrize("trim", [False, True])
@@ -227,15 +242,7 @@ def test_fused_cpu_forward_equals_the_python_forward(matmul, norms, trim):
     from overlap.attention.base import tree_mask_from_parents
     from overlap.kv import KVPool
 
-    target = tiny_target(dtype=torch.bfloat16)
-    head = MTPHead(target.cfg, target, norms=norms, matmul=matmul)
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            p.copy_((1.0 if "norm" in name else 0.0) + torch.randn(p.shape, generator=gen) * 0.1)
-    head.requires_grad_(False).eval()
-    if trim:
-        head.trim_vocabulary(torch.randperm(512, generator=gen)[:100])
+    head, gen = bf16_head(matmul, norms, 100 if trim else 0, seed=5)
     c = head.cfg
     k0 = torch.randn(8, PAGE, c.num_kv_heads, c.head_dim, generator=gen).bfloat16()
     v0 = torch.randn(8, PAGE, c.num_kv_heads, c.head_dim, generator=gen).bfloat16()
@@ -298,15 +305,7 @@ def test_the_one_call_tree_expansion_equals_the_python_levels(matmul, trim):
     from overlap.speculative.eagle import EagleProposer
     from overlap.speculative.tree import TreeShape
 
-    target = tiny_target(dtype=torch.bfloat16)
-    head = MTPHead(target.cfg, target, norms=True, matmul=matmul)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            p.copy_((1.0 if "norm" in name else 0.0) + torch.randn(p.shape, generator=gen) * 0.1)
-    head.requires_grad_(False).eval()
-    if trim:
-        head.trim_vocabulary(torch.randperm(512, generator=gen)[:trim])
+    head, gen = bf16_head(matmul, True, trim, seed=7)
     c, shape = head.cfg, TreeShape.default(depth=3, topk=2, tokens=5)
     k0 = torch.randn(8, PAGE, c.num_kv_heads, c.head_dim, generator=gen).bfloat16()
     v0 = torch.randn(8, PAGE, c.num_kv_heads, c.head_dim, generator=gen).bfloat16()
