@@ -242,8 +242,9 @@ def head_step(embed: torch.Tensor, norm_embed: torch.Tensor | None, norm_hidden:
 
 def tree_plan(levels: list[tuple], num_nodes: int, top_k: int):
     """An EAGLE tree's expansion levels as HeadStep.expand_tree reads them (head_step.h,
-    TreePlan): levels as (draws [(parent, children [c] i64, ranks [c] i64)], rows, row_index
-    [q] i64, row_parents, mask [q, q] bool or None, depth_offsets)."""
+    TreePlan): levels as overlap/speculative/eagle.py's _Level tuples, (draws [(parent,
+    children [c] i64, ranks [c] i64)], rows, row_index [q] i64, row_parents, mask [q, q] bool
+    or None, depth_offsets)."""
     return _library().TreePlan(levels, num_nodes, top_k)
 
 

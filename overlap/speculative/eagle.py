@@ -188,9 +188,7 @@ class EagleProposer(HeadProposer):
         key = None if only is None else frozenset(only)
         plan = self._tree_plans.get(key)
         if plan is None:
-            levels = [(level.draws, level.rows, level.row_index, level.row_parents, level.mask, level.depth_offsets)
-                      for level in self._levels(only)]
-            plan = self._tree_plans[key] = kernels.tree_plan(levels, self.num_nodes, self.top_k)
+            plan = self._tree_plans[key] = kernels.tree_plan(self._levels(only), self.num_nodes, self.top_k)
         return plan
 
     def propose_tree(self, seqs: list[SeqWork], only: set[int] | None = None) -> torch.Tensor:
@@ -232,7 +230,8 @@ class EagleProposer(HeadProposer):
 
 
 class _Level(NamedTuple):
-    """One expansion level of EagleProposer.propose_tree, fixed by the tree's shape."""
+    """One expansion level of EagleProposer.propose_tree, fixed by the tree's shape (in this
+    field order the one-call expansion reads it too: kernels.tree_plan)."""
 
     draws: list[tuple[int, torch.Tensor, torch.Tensor]]  # (a parent, its children here [c] i64, their ranks [c] i64)
     rows: list[int]  # the internal nodes of depth <= level the head runs on next (none: the last level)
