@@ -216,6 +216,8 @@ class StepCostModel:
         # (sequences, tree) → spec_overhead_ms: a step's search asks for the same few a dozen
         # times (each a fit over the buckets); every observed step may change them.
         self._overheads: dict[tuple[int, bool], float] = {}
+        # rows → drafter_ms(rows): fixed by the measured points, asked for ~20 times a step.
+        self._drafter: dict[int, float] = {}
 
     @classmethod
     def from_report(cls, report: dict, drafter: str | None = None, batch=None) -> "StepCostModel":
@@ -303,9 +305,14 @@ class StepCostModel:
         # chose k = 1 where fixed k = 3 ran 9% faster (docs/controller.md, session 9).
         if not rows:
             return 0.0
-        if self.drafter_points:
-            return _interpolate(self.drafter_points, rows)
-        return self.drafter_fraction * self._base(rows)
+        ms = self._drafter.get(rows)
+        if ms is None:
+            if self.drafter_points:
+                ms = _interpolate(self.drafter_points, rows)
+            else:
+                ms = self.drafter_fraction * self._base(rows)
+            self._drafter[rows] = ms
+        return ms
 
     def spec_overhead_ms(self, speculating: int, tree: bool = False) -> float:
         key = (speculating, tree)
@@ -987,6 +994,13 @@ class SpeculationController:
         """(the best predicted rate, the options that make it)."""
         n = len(candidates)
         level = [0] * n  # index into each candidate's options
+        # Each option's expected (tokens, rows), priced once: the search revisits them (at batch
+        # 1 these lookups were most of a choice's ~0.2 ms, on the host's critical path).
+        priced = []
+        for c in candidates:
+            branch_rows, branch_tokens = self._branch(c.key)  # what _tokens and _rows add per option
+            priced.append([(self._drafted(c.key, o.depth, o.tree) + branch_tokens, o.rows + branch_rows)
+                           if o.depth else (1.0, 0.0) for o in c.options])
         rows = other_rows + n
         tokens = other_tokens + float(n)
         max_depth = max((c.options[-1].depth for c in candidates), default=0)
@@ -997,13 +1011,11 @@ class SpeculationController:
         best_rate, best_len, path = plain_rate * self.config.min_gain, 0, []
 
         def push(heap, i):
-            if level[i] + 1 < len(candidates[i].options):
-                c = candidates[i]
-                cur, nxt = c.options[level[i]], c.options[level[i] + 1]
-                gain = self._tokens(c.key, nxt) - self._tokens(c.key, cur)
+            if level[i] + 1 < len(priced[i]):
+                (cur_tokens, cur_rows), (next_tokens, next_rows) = priced[i][level[i]: level[i] + 2]
                 # Ordered per expected row (a branch at its mean rows); the rate below prices it
                 # as it fires.
-                heapq.heappush(heap, (-gain / max(1.0, self._rows(c.key, nxt) - self._rows(c.key, cur)), i))
+                heapq.heappush(heap, (-(next_tokens - cur_tokens) / max(1.0, next_rows - cur_rows), i))
 
         heap: list = []
         for i in range(n):
@@ -1011,7 +1023,7 @@ class SpeculationController:
         while heap:
             _, i = heapq.heappop(heap)
             cur, nxt = candidates[i].options[level[i]], candidates[i].options[level[i] + 1]
-            tokens += self._tokens(candidates[i].key, nxt) - self._tokens(candidates[i].key, cur)
+            tokens += priced[i][level[i] + 1][0] - priced[i][level[i]][0]
             rows += nxt.rows - cur.rows
             if nxt.depth and not cur.depth:  # it starts drafting: its branch may fire
                 branches.add(*self._branch_firing(candidates[i].key))
