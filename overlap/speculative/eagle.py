@@ -197,8 +197,7 @@ class EagleProposer(HeadProposer):
         columns stay 0 and the head never runs on them."""
         b = len(seqs)
         device = self.kv.k[0].device
-        logits = torch.stack([self.carried[s.seq_id][0] for s in seqs])  # [B, V] root's head output
-        root_hidden = torch.stack([self.carried[s.seq_id][1] for s in seqs])  # [B, H]
+        logits, root_hidden = self.carried_rows([s.seq_id for s in seqs])  # the root's head output
         # The levels below in one call where the head's fused call applies (the CPU backend).
         tokens = self.head.expand_tree(lambda: self._tree_plan(only), logits, root_hidden,
                                        [s.start_pos for s in seqs], [s.page_table for s in seqs], self.backend,
@@ -304,8 +303,7 @@ class DynamicEagleProposer(HeadProposer):
 
     def expand(self, seqs: list[SeqWork]) -> list[DynamicTree]:
         b, k = len(seqs), self.topk
-        logits = torch.stack([self.carried[s.seq_id][0] for s in seqs])
-        hidden0 = torch.stack([self.carried[s.seq_id][1] for s in seqs])
+        logits, hidden0 = self.carried_rows([s.seq_id for s in seqs])
         # Candidate pool per sequence: (cum logp, token, parent candidate id or -1, depth).
         pool: list[list[tuple[float, int, int, int]]] = [[] for _ in range(b)]
         logp, tok = torch.topk(torch.log_softmax(logits, -1), k)

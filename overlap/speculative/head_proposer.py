@@ -42,6 +42,17 @@ class HeadProposer:
     def graph_runners(self) -> list:
         return []
 
+    def carried_rows(self, seq_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The carried state of `seq_ids` as batches: (logits [B, V] f32, head hidden [B, H]).
+        One sequence's is a view of its row, not a copy: at batch 1 the two copies, of rows the
+        target's pass has just pushed out of the caches, took ~0.09 ms of the worker's step
+        (cProfile, EAGLE on the AMD EPYC, session 37)."""
+        logits = [self.carried[i][0] for i in seq_ids]
+        hidden = [self.carried[i][1] for i in seq_ids]
+        if len(seq_ids) == 1:
+            return logits[0].unsqueeze(0), hidden[0].unsqueeze(0)
+        return torch.stack(logits), torch.stack(hidden)
+
     def _run(self, ids: torch.Tensor | list[int], hidden: list[torch.Tensor], positions: list[int],
              attn: list[SeqAttention], last_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """ids [T] (a tensor or a list), hidden [T, H] in parts (MTPHead.forward_rows) → (logits

@@ -54,10 +54,9 @@ class MTPProposer(HeadProposer):
         rows = [r for r in range(b) if ks[r] > 0]
         # Index tensors staged in pinned memory (no blocking copy of Python lists on CUDA).
         first, rows_t = upload(device, ([seqs[r].end_pos for r in rows], torch.long), (rows, torch.long))
-        logits = torch.stack([self.carried[seqs[r].seq_id][0] for r in rows])  # [rows, V] f32
+        logits, hidden = self.carried_rows([seqs[r].seq_id for r in rows])  # [rows, V] f32, [rows, H]
         # q for sampled drafts ([B, K, V], V: the full vocabulary); greedy drafts are one-hot: None.
         probs = None if sampling.all_greedy else torch.zeros(b, width, logits.shape[-1], device=device)
-        hidden = torch.stack([self.carried[seqs[r].seq_id][1] for r in rows])  # [rows, H]
         for i in range(width):
             # 1. sample draft i of every row that still drafts, from q_i
             d, q = draw_draft(logits, sampling.select(rows_t), first + i)
