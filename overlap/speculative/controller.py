@@ -848,15 +848,19 @@ class SpeculationController:
             return (self.tree_population if tree else self.population).expected_tokens(depth)
         return self._acc(key, tree).expected_tokens(depth)
 
+    def _priced(self, key: Hashable, options: list[SpecOption]) -> list[tuple[float, float]]:
+        """Each option's (expected tokens of the step, expected verify rows beyond the
+        sequence's own token) where the sequence takes it: its drafts' and, where it drafts,
+        its lookup branch's."""
+        branch_rows, branch_tokens = self._branch(key)
+        return [(self._drafted(key, o.depth, o.tree) + branch_tokens, o.rows + branch_rows) if o.depth
+                else (1.0, 0.0) for o in options]
+
     def _tokens(self, key: Hashable, option: SpecOption) -> float:
-        """Expected tokens of a step where the sequence takes `option`."""
-        if not option.depth:
-            return 1.0
-        return self._drafted(key, option.depth, option.tree) + self._branch(key)[1]
+        return self._priced(key, [option])[0][0]
 
     def _rows(self, key: Hashable, option: SpecOption) -> float:
-        """Expected verify rows beyond the sequence's own token when it takes `option`."""
-        return option.rows + self._branch(key)[0] if option.depth else 0.0
+        return self._priced(key, [option])[0][1]
 
     # -- per step ----------------------------------------------------------------------------
 
@@ -996,11 +1000,7 @@ class SpeculationController:
         level = [0] * n  # index into each candidate's options
         # Each option's expected (tokens, rows), priced once: the search revisits them (at batch
         # 1 these lookups were most of a choice's ~0.2 ms, on the host's critical path).
-        priced = []
-        for c in candidates:
-            branch_rows, branch_tokens = self._branch(c.key)  # what _tokens and _rows add per option
-            priced.append([(self._drafted(c.key, o.depth, o.tree) + branch_tokens, o.rows + branch_rows)
-                           if o.depth else (1.0, 0.0) for o in c.options])
+        priced = [self._priced(c.key, c.options) for c in candidates]
         rows = other_rows + n
         tokens = other_tokens + float(n)
         max_depth = max((c.options[-1].depth for c in candidates), default=0)
