@@ -22,6 +22,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 void rotary_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t rot_heads, int64_t head_dim);
 torch::Tensor argmax_rows(torch::Tensor x);
+void add_into(torch::Tensor out, const torch::Tensor& x);
+void store_rows(torch::Tensor cache, const torch::Tensor& slots, const torch::Tensor& rows);
 torch::Tensor spread_columns(torch::Tensor sub, torch::Tensor ids, int64_t vocab);
 std::vector<torch::Tensor> tree_walk_greedy(torch::Tensor target_best, torch::Tensor tokens, torch::Tensor parents,
                                             torch::Tensor order, int64_t depth, int64_t max_children);

@@ -235,3 +235,45 @@ torch::Tensor spread_columns(torch::Tensor sub, torch::Tensor ids, int64_t vocab
   }
   return out;
 }
+
+// out += x, element by element, as torch's bf16 add rounds it (the f32 sum to nearest even):
+// a decoder layer's two residual adds without their dispatch (~2 us each through torch, 60 a
+// pass of the target). Both [T, H] bf16, contiguous.
+void add_into(torch::Tensor out, const torch::Tensor& x) {
+  TORCH_CHECK(out.scalar_type() == torch::kBFloat16 && x.scalar_type() == torch::kBFloat16 &&
+                  out.sizes() == x.sizes() && out.is_contiguous() && x.is_contiguous(),
+              "add_into: two contiguous bf16 tensors of one shape");
+  auto* o = reinterpret_cast<bf16*>(out.data_ptr());
+  const auto* a = reinterpret_cast<const bf16*>(x.data_ptr());
+  const int64_t n = out.numel();
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m512 sum = _mm512_add_ps(overlap::widen_bf16x16(o + i), overlap::widen_bf16x16(a + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm512_cvtepi32_epi16(overlap::bf16_bits_x16(sum)));
+  }
+#endif
+  for (; i < n; ++i) o[i] = to_bf16(float(o[i]) + float(a[i]));
+}
+
+// rows [T, heads, head_dim] (a view whose rows are each contiguous, e.g. the K or V columns
+// of the qkv projection) into their slots of a cache [slots, heads, head_dim]: index_copy_
+// without its dispatch (~4 us a call through torch, twice a layer).
+void store_rows(torch::Tensor cache, const torch::Tensor& slots, const torch::Tensor& rows) {
+  TORCH_CHECK(cache.scalar_type() == rows.scalar_type() && cache.is_contiguous() && cache.dim() == 3 &&
+                  rows.dim() == 3 && rows.size(1) == cache.size(1) && rows.size(2) == cache.size(2) &&
+                  rows.stride(2) == 1 && rows.stride(1) == rows.size(2),
+              "store_rows: rows [T, Hkv, D] with contiguous rows, a contiguous cache [slots, Hkv, D]");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == rows.size(0),
+              "store_rows: one i64 slot per row");
+  const int64_t t = rows.size(0), capacity = cache.size(0);
+  const size_t bytes = size_t(cache.size(1) * cache.size(2)) * cache.element_size();
+  const size_t row_stride = size_t(rows.stride(0)) * rows.element_size();
+  auto* dst = static_cast<char*>(cache.data_ptr());
+  const auto* src = static_cast<const char*>(rows.data_ptr());
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < capacity, "store_rows: a slot outside the cache");
+    std::memcpy(dst + size_t(slot[i]) * bytes, src + size_t(i) * row_stride, bytes);
+  }
+}

@@ -29,6 +29,7 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+#include "bf16_vec.h"
 #if OVERLAP_VARIANT >= 0
 #include <immintrin.h>
 #endif
@@ -151,10 +152,23 @@ struct Rows {
   std::vector<float> scale;
 };
 
-Rows prepare_rows(const torch::Tensor& x, int64_t kp) {
+Rows prepare_rows(torch::Tensor x, int64_t kp) {
   const int64_t m = x.size(0), k = x.size(1);
-  auto xf = x.to(torch::kFloat32).contiguous();
-  const float* src = xf.data_ptr<float>();
+  // x widened to f32 here (exact: a bf16 is an f32's high half), not by x.to(f32): that was a
+  // dispatched op and an allocation, ~3 us, six times a head call.
+  if (x.stride(1) != 1) x = x.contiguous();
+  std::vector<float> wide(size_t(m * k));
+  const auto* xb = reinterpret_cast<const c10::BFloat16*>(x.data_ptr());
+  for (int64_t i = 0; i < m; ++i) {
+    const c10::BFloat16* row = xb + i * x.stride(0);
+    float* out = wide.data() + i * k;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= k; j += 16) _mm512_storeu_ps(out + j, overlap::widen_bf16x16(row + j));
+#endif
+    for (; j < k; ++j) out[j] = float(row[j]);
+  }
+  const float* src = wide.data();
   Rows rows;
   rows.x.assign(m * kp, XRow(0));
 #if OVERLAP_VARIANT >= 2

@@ -42,16 +42,20 @@ torch::Tensor DecoderLayerStep::forward(const torch::Tensor& x, const torch::Ten
   auto k = qk.narrow(1, heads, kv_heads);
   auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads, head_dim});
   auto k_cache = caches.k[layer], v_cache = caches.v[layer];
-  k_cache.index_copy_(0, plan.slots, k);
-  v_cache.index_copy_(0, plan.slots, v);
+  store_rows(k_cache, plan.slots, k);
+  store_rows(v_cache, plan.slots, v);
   const bool pairs = given(caches.pairs);
   if (pairs) sync_value_pairs(caches.v, caches.pairs, plan.slots, plan.page_size, layer);
   auto attn = paged_attention(qk.narrow(1, 0, heads), k_cache, v_cache, plan.q_start, plan.q_len, plan.kv_len,
                               plan.page_table, plan.page_size, plan.tree, 1.0 / std::sqrt(double(head_dim)), false,
                               pairs ? c10::optional<torch::Tensor>(caches.pairs[layer]) : c10::nullopt);
-  auto h = x + o_proj(attn.view({t, -1}));
+  // (the residual adds in place: add_into rounds as torch's bf16 add, without its dispatch)
+  auto h = o_proj(attn.view({t, -1}));
+  add_into(h, x);
   // 2. the SwiGLU MLP.
-  return h + down_proj(silu_mul(gate_up_proj(rms_norm(h, post_norm, eps))));
+  auto out = down_proj(silu_mul(gate_up_proj(rms_norm(h, post_norm, eps))));
+  add_into(out, h);
+  return out;
 }
 
 std::vector<torch::Tensor> ModelStep::forward(torch::Tensor ids, torch::Tensor positions, torch::Tensor k_all,
