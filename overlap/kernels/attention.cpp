@@ -30,6 +30,7 @@
 //   may not see are computed with the others and then given weight exactly 0: adding +0 to a
 //   sum that is never -0 leaves it unchanged, so no per-key visibility test in the hot loops.
 #include <torch/extension.h>
+#include "cpu_empty.h"
 #include <ATen/Parallel.h>
 #include "pool.h"
 #include "fixed_exp.h"
@@ -988,7 +989,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   for (auto* t : {&q_start, &q_len, &kv_len, &page_table})
     TORCH_CHECK(t->scalar_type() == torch::kInt32 && t->is_contiguous(), "paged_attention: int32 metadata");
   q = q.contiguous();
-  auto out = torch::empty_like(q);
+  auto out = cpu_empty(q.sizes(), q.scalar_type());
   const int64_t heads = q.size(1), kv_heads = k_cache.size(1), dim = q.size(2);
   TORCH_CHECK(heads % kv_heads == 0, "paged_attention: heads must be a multiple of kv heads");
   const bool has_tree = tree.defined() && tree.numel() > 0;

@@ -8,6 +8,7 @@
 // its dispatch cold: a call that takes 0.21 ms warm and alone took 0.3-0.8 ms in the step
 // (docs/mtp_eagle.md, "Session 33"). Here the whole call runs with the GIL released.
 #include <torch/extension.h>
+#include "cpu_empty.h"
 #include <cmath>
 #include <unordered_map>
 
@@ -71,9 +72,9 @@ std::vector<torch::Tensor> HeadStep::forward_seqs(torch::Tensor ids, const std::
     any_tree = any_tree || tree_masks[s].has_value();
   }
   TORCH_CHECK(int64_t(positions.size()) == total && ids.size(0) == total, "head_step: one position and id per row");
-  auto slots = torch::empty({total}, torch::kInt64);
-  auto q_start = torch::empty({b}, torch::kInt32), q_len = torch::empty({b}, torch::kInt32);
-  auto kv_len = torch::empty({b}, torch::kInt32), table = torch::zeros({b, width}, torch::kInt32);
+  auto slots = cpu_empty({total}, torch::kInt64);
+  auto q_start = cpu_empty({b}, torch::kInt32), q_len = cpu_empty({b}, torch::kInt32);
+  auto kv_len = cpu_empty({b}, torch::kInt32), table = torch::zeros({b, width}, torch::kInt32);
   int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t s = 0, row = 0; s < b; ++s) {
     const auto& pages = page_tables[s];

@@ -8,6 +8,7 @@
 // bf16 rounding wherever the eager graph stores a bf16 tensor), so results match
 // transformers' bf16 module semantics: normalise in f32, round, scale in bf16.
 #include <torch/extension.h>
+#include "cpu_empty.h"
 #include <algorithm>
 #include <limits>
 #include <ATen/Parallel.h>
@@ -62,7 +63,7 @@ void norm_row(const float* x, const bf16* weight, bf16* out, int64_t n, float ep
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16 && x.dim() == 2);
   x = x.contiguous();
-  auto out = torch::empty_like(x);
+  auto out = cpu_empty(x.sizes(), x.scalar_type());
   const int64_t t = x.size(0), h = x.size(1);
   auto xp = reinterpret_cast<const bf16*>(x.data_ptr());
   auto wp = reinterpret_cast<const bf16*>(weight.data_ptr());
@@ -82,7 +83,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16 && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0);
   gate_up = gate_up.contiguous();
   const int64_t t = gate_up.size(0), inter = gate_up.size(1) / 2;
-  auto out = torch::empty({t, inter}, gate_up.options());
+  auto out = cpu_empty({t, inter}, gate_up.scalar_type());
   auto gp = reinterpret_cast<const bf16*>(gate_up.data_ptr());
   auto op = reinterpret_cast<bf16*>(out.data_ptr());
   overlap::parallel_for(t, 4, [&](int64_t r0, int64_t r1) {

@@ -26,6 +26,7 @@
 // -1 = portable scalar. Bit-identical across M within a variant, not across
 // variants (a machine runs one).
 #include <torch/extension.h>
+#include "cpu_empty.h"
 #include <ATen/Parallel.h>
 #include "pool.h"
 #include "bf16_vec.h"
@@ -350,11 +351,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::opti
   auto xp = reinterpret_cast<const bf16*>(x.data_ptr());
   auto wp = reinterpret_cast<const bf16*>(packed.data_ptr());
   if (out_float) {
-    auto y = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
+    auto y = cpu_empty({m, n}, torch::kFloat32);
     run<float>(xp, kp, wp, kp, bp, y.data_ptr<float>(), m, n);
     return y;
   }
-  auto y = torch::empty({m, n}, x.options());
+  auto y = cpu_empty({m, n}, x.scalar_type());
   run<bf16>(xp, kp, wp, kp, bp, reinterpret_cast<bf16*>(y.data_ptr()), m, n);
   return y;
 }

@@ -23,6 +23,7 @@
 // - AVX512F, AVX2, scalar (1, 0, -1): each weight widened to f32 (exact) and FMAed with the
 //   row's f32 x[k].
 #include <torch/extension.h>
+#include "cpu_empty.h"
 #include "pool.h"
 #include <c10/util/BFloat16.h>
 #include <cmath>
@@ -230,11 +231,11 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   auto sc = scale.contiguous();
   auto wp = packed.contiguous();
   if (out_float) {
-    auto y = torch::empty({m, n}, x.options().dtype(torch::kFloat32));
+    auto y = cpu_empty({m, n}, torch::kFloat32);
     run<float>(rows.x.data(), row_scale, kp, wp.data_ptr<int8_t>(), sc.data_ptr<float>(), bp, y.data_ptr<float>(), m, n);
     return y;
   }
-  auto y = torch::empty({m, n}, x.options());
+  auto y = cpu_empty({m, n}, x.scalar_type());
   run<bf16>(rows.x.data(), row_scale, kp, wp.data_ptr<int8_t>(), sc.data_ptr<float>(), bp,
             reinterpret_cast<bf16*>(y.data_ptr()), m, n);
   return y;

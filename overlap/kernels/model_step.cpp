@@ -8,6 +8,7 @@
 // next step. At batch 1 that was ~1.5 ms of a ~8.6 ms pass beside the kernels' own time
 // (runs/prof/fwd_split.py: kernels 7.1 ms, the pass 8.6 ms; docs/fast_steps.md).
 #include <torch/extension.h>
+#include "cpu_empty.h"
 #include <algorithm>
 #include <cmath>
 
@@ -18,10 +19,23 @@ namespace {
 
 bool given(const torch::Tensor& t) { return t.defined() && t.numel() > 0; }
 
+// Columns [first, first + n * head_dim) of a row-major [T, W] tensor as [T, n, head_dim].
+torch::Tensor heads_of(const torch::Tensor& rows, int64_t first, int64_t n, int64_t head_dim) {
+  TORCH_CHECK(rows.dim() == 2 && rows.stride(1) == 1 && first + n * head_dim <= rows.size(1),
+              "model_step: head columns past the row");
+  return rows.as_strided({rows.size(0), n, head_dim}, {rows.stride(0), head_dim, 1}, rows.storage_offset() + first);
+}
+
+// all[layer] of a contiguous [L, ...] tensor.
+torch::Tensor layer_of(const torch::Tensor& all, int64_t layer) {
+  TORCH_CHECK(all.is_contiguous() && layer >= 0 && layer < all.size(0), "model_step: a layer outside the caches");
+  return all.as_strided(all.sizes().slice(1), all.strides().slice(1), all.storage_offset() + layer * all.stride(0));
+}
+
 }  // namespace
 
 torch::Tensor long_tensor(const std::vector<int64_t>& values) {
-  auto t = torch::empty({int64_t(values.size())}, torch::kInt64);
+  auto t = cpu_empty({int64_t(values.size())}, torch::kInt64);
   std::copy(values.begin(), values.end(), t.data_ptr<int64_t>());
   return t;
 }
@@ -38,15 +52,16 @@ torch::Tensor DecoderLayerStep::forward(const torch::Tensor& x, const torch::Ten
   auto qkv = qkv_proj(rms_norm(x, input_norm, eps));
   const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, rot_heads = heads + kv_heads;
   rotary_(qkv, cos, sin, rot_heads, head_dim);
-  auto qk = qkv.narrow(1, 0, q_size + kv_size).view({t, rot_heads, head_dim});
-  auto k = qk.narrow(1, heads, kv_heads);
-  auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads, head_dim});
-  auto k_cache = caches.k[layer], v_cache = caches.v[layer];
+  // The q, k and v heads of the rows and this layer's caches as views made in one step each
+  // (narrow / view / select chains were ~16 dispatched ops a layer).
+  auto q = heads_of(qkv, 0, heads, head_dim), k = heads_of(qkv, q_size, kv_heads, head_dim);
+  auto v = heads_of(qkv, q_size + kv_size, kv_heads, head_dim);
+  auto k_cache = layer_of(caches.k, layer), v_cache = layer_of(caches.v, layer);
   store_rows(k_cache, plan.slots, k);
   store_rows(v_cache, plan.slots, v);
   const bool pairs = given(caches.pairs);
   if (pairs) sync_value_pairs(caches.v, caches.pairs, plan.slots, plan.page_size, layer);
-  auto attn = paged_attention(qk.narrow(1, 0, heads), k_cache, v_cache, plan.q_start, plan.q_len, plan.kv_len,
+  auto attn = paged_attention(q, k_cache, v_cache, plan.q_start, plan.q_len, plan.kv_len,
                               plan.page_table, plan.page_size, plan.tree, 1.0 / std::sqrt(double(head_dim)), false,
                               pairs ? c10::optional<torch::Tensor>(caches.pairs[layer]) : c10::nullopt);
   // (the residual adds in place: add_into rounds as torch's bf16 add, without its dispatch)
