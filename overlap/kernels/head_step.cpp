@@ -19,6 +19,15 @@ namespace {
 
 bool given(const torch::Tensor& t) { return t.defined() && t.numel() > 0; }
 
+// Whether rows [R] i64 are every one of t rows, in order (the tree's expansion asks for all).
+bool every_row(const torch::Tensor& rows, int64_t t) {
+  if (rows.numel() != t || rows.scalar_type() != torch::kLong || !rows.is_contiguous()) return false;
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i)
+    if (r[i] != i) return false;
+  return true;
+}
+
 }  // namespace
 
 std::vector<torch::Tensor> HeadStep::forward(torch::Tensor ids, torch::Tensor hidden, torch::Tensor positions,
@@ -45,7 +54,8 @@ std::vector<torch::Tensor> HeadStep::forward(torch::Tensor ids, torch::Tensor hi
   auto g = given(norm_final) ? rms_norm(x, norm_final, eps) : x;
   if (!rows.has_value()) return {g};
   // 4. logits at the rows asked for (f32; -inf outside a trimmed draft vocabulary).
-  auto logits = lm_head(g.index_select(0, *rows), true);
+  // (g itself where every row is asked for in order: no gathered copy)
+  auto logits = lm_head(every_row(*rows, t) ? g : g.index_select(0, *rows), true);
   if (given(vocab_ids) && spread) logits = spread_columns(logits, vocab_ids, vocab);
   return {g, logits};
 }
@@ -74,7 +84,8 @@ std::vector<torch::Tensor> HeadStep::forward_seqs(torch::Tensor ids, const std::
   TORCH_CHECK(int64_t(positions.size()) == total && ids.size(0) == total, "head_step: one position and id per row");
   auto slots = cpu_empty({total}, torch::kInt64);
   auto q_start = cpu_empty({b}, torch::kInt32), q_len = cpu_empty({b}, torch::kInt32);
-  auto kv_len = cpu_empty({b}, torch::kInt32), table = torch::zeros({b, width}, torch::kInt32);
+  auto kv_len = cpu_empty({b}, torch::kInt32), table = cpu_empty({b, width}, torch::kInt32);
+  std::fill_n(table.data_ptr<int32_t>(), b * width, 0);
   int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t s = 0, row = 0; s < b; ++s) {
     const auto& pages = page_tables[s];
@@ -109,13 +120,19 @@ std::vector<torch::Tensor> HeadStep::forward_seqs(torch::Tensor ids, const std::
   const auto picked = long_tensor(rows);
   auto out = forward(ids, hidden, long_tensor(positions), k_all, v_all, pairs_all, slots, q_start, q_len,
                      kv_len, table, page_size, tree, picked, spread);
-  return {out[0].index_select(0, picked), out[1]};
+  return {every_row(picked, total) ? out[0] : out[0].index_select(0, picked), out[1]};
 }
 
 torch::Tensor HeadStep::top_tokens(const torch::Tensor& logits, int64_t k, bool trimmed) const {
   if (!given(vocab_ids) || vocab_ids.numel() < k)
     return std::get<1>(logits.topk(std::min(k, logits.size(-1))));
-  return vocab_ids.index({std::get<1>((trimmed ? logits : logits.index_select(1, vocab_ids)).topk(k))});
+  // the ranks' columns back to token ids (vocab_ids[ranked], without torch's indexing)
+  const auto ranked = std::get<1>((trimmed ? logits : logits.index_select(1, vocab_ids)).topk(k)).contiguous();
+  auto out = cpu_empty(ranked.sizes(), torch::kInt64);
+  const int64_t *column = ranked.data_ptr<int64_t>(), *id = vocab_ids.data_ptr<int64_t>();
+  int64_t* token = out.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ranked.numel(); ++i) token[i] = id[column[i]];
+  return out;
 }
 
 torch::Tensor HeadStep::expand_tree(const TreePlan& plan, torch::Tensor root_logits, torch::Tensor root_hidden,
@@ -126,6 +143,8 @@ torch::Tensor HeadStep::expand_tree(const TreePlan& plan, torch::Tensor root_log
   TORCH_CHECK(int64_t(start_pos.size()) == b && int64_t(page_tables.size()) == b,
               "expand_tree: one root position and page table per sequence");
   auto tokens = torch::zeros({b, plan.num_nodes + 1}, torch::kInt64);  // column 0: the root
+  const int64_t width = plan.num_nodes + 1;
+  int64_t* tok = tokens.data_ptr<int64_t>();
   // The nodes' logits stay over the trimmed vocabulary's columns where top_tokens reads only
   // those (not where it has fewer than k: it then ranks the whole vocabulary, -inf and all).
   const bool trimmed = given(vocab_ids) && vocab_ids.numel() >= plan.top_k;
@@ -137,17 +156,32 @@ torch::Tensor HeadStep::expand_tree(const TreePlan& plan, torch::Tensor root_log
       // (the root's logits are the carried ones, over the whole vocabulary; the nodes' are
       // this call's, over the trimmed one's columns where there is one)
       const int64_t parent = level.parents[p];
-      auto best = top_tokens(node_logits.at(parent), plan.top_k, trimmed && parent != 0);
-      tokens.index_put_({torch::indexing::Slice(), level.children[p]}, best.index_select(1, level.ranks[p]));
+      const auto best = top_tokens(node_logits.at(parent), plan.top_k, trimmed && parent != 0).contiguous();
+      // tokens[:, children] = best[:, ranks], written in place
+      const auto& children = level.children[p];
+      const auto& ranks = level.ranks[p];
+      const int64_t *child = children.data_ptr<int64_t>(), *rank = ranks.data_ptr<int64_t>();
+      const int64_t* ranked = best.data_ptr<int64_t>();
+      const int64_t k = best.size(1);
+      for (int64_t c = 0; c < children.numel(); ++c) {
+        TORCH_CHECK(child[c] >= 0 && child[c] < width && rank[c] >= 0 && rank[c] < k,
+                    "expand_tree: a child or rank outside the tree");
+        for (int64_t s = 0; s < b; ++s) tok[s * width + child[c]] = ranked[s * k + rank[c]];
+      }
     }
     if (level.rows.empty()) break;
     // 2. the head over every internal node so far (ancestors visible), for the next level;
     // the root sits at position n, a row of depth d drafts from position n - 1 + d.
     const int64_t q = int64_t(level.rows.size());
-    auto ids = tokens.index_select(1, level.row_index).reshape({-1});
+    // the rows' tokens (tokens[:, rows], sequence-major) and their parents' head hidden states
+    auto ids = cpu_empty({b * q}, torch::kInt64);
+    int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t s = 0; s < b; ++s)
+      for (int64_t j = 0; j < q; ++j) id[s * q + j] = tok[s * width + level.rows[j]];
     std::vector<torch::Tensor> parents;
     for (auto r : level.row_parents) parents.push_back(node_hidden.at(r));
-    auto hidden = torch::stack(parents, 1).reshape({b * q, -1});
+    // one sequence: its rows' parents are the parts forward_seqs concatenates; several: interleaved
+    auto hidden = b == 1 ? parents : std::vector<torch::Tensor>{torch::stack(parents, 1).reshape({b * q, -1})};
     std::vector<int64_t> positions, q_lens(b, q), kv_lens, rows(b * q);
     for (int64_t s = 0; s < b; ++s) {
       for (auto offset : level.depth_offsets) positions.push_back(start_pos[s] + offset);
@@ -155,7 +189,7 @@ torch::Tensor HeadStep::expand_tree(const TreePlan& plan, torch::Tensor root_log
     }
     for (int64_t r = 0; r < b * q; ++r) rows[r] = r;
     const std::vector<c10::optional<torch::Tensor>> masks(b, level.mask);
-    auto out = forward_seqs(ids, {hidden}, positions, k_all, v_all, pairs_all, q_lens, kv_lens, page_tables, masks,
+    auto out = forward_seqs(ids, hidden, positions, k_all, v_all, pairs_all, q_lens, kv_lens, page_tables, masks,
                             page_size, rows, /*spread=*/!trimmed);
     auto g = out[0].view({b, q, -1}), logits = out[1].view({b, q, -1});
     for (int64_t j = 0; j < q; ++j) {
