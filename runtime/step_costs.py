@@ -167,9 +167,9 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    from overlap.kernels import variant_name
+    from overlap.kernels import kernels_name
 
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "kernels": variant_name(),
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "kernels": kernels_name(),
             "torch": torch.__version__}
 
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 from overlap.config import (EngineConfig, SchedulerConfig, SpecConfig, default_draft_dir,  # noqa: E402
                             default_head_dir, torch_dtype)
-from overlap.kernels import variant_name  # noqa: E402
+from overlap.kernels import kernels_name  # noqa: E402
 from overlap.models.llama import load_llama  # noqa: E402
 from overlap.models.loading import load_tokenizer, resolve_model_dir  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
@@ -52,7 +52,7 @@ def main() -> None:
     model, tokenizer = load_llama(model_dir, torch_dtype(EngineConfig().dtype)), load_tokenizer(model_dir)
     prompts = benchmark_prompts(args.prompts)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-    out = {"variant": variant_name(), "modes": {}}
+    out = {"variant": kernels_name(), "modes": {}}
     for mode in args.modes:
         config = EngineConfig(spec=MODES[mode], scheduler=SchedulerConfig(max_num_seqs=args.batch))
         engine = Engine.from_model(config, model, tokenizer)

@@ -45,14 +45,23 @@ _CAPS = [("AVX10", 3), ("AVX512_CORE_AMX", 3), ("AVX512_CORE_FP16", 2), ("AVX512
          ("AVX512_CORE_VNNI", 1), ("AVX512_CORE", 1), ("AVX2", 0), ("", -1)]
 
 
-def cpu_flags() -> set[str]:
+def _cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo ("" where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+            if line.split(":", 1)[0].strip() == field:
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return ""
+
+
+def cpu_flags() -> set[str]:
+    return set(_cpuinfo("flags").split())
+
+
+def cpu_vendor() -> str:
+    return _cpuinfo("vendor_id")
 
 
 def choose_variant(flags: set[str], isa_cap: str | None) -> int:
@@ -70,6 +79,28 @@ def machine_variant() -> int:
     return choose_variant(cpu_flags(), os.environ.get("ONEDNN_MAX_CPU_ISA"))
 
 
+# The avx512bf16 build's two bf16 arithmetics (linear_bf16.cpp says why): "dot" (vdpbf16ps)
+# or "fma" (f32 FMAs on widened weight pairs, variant 1's bits).
+ARITHMETICS = ("dot", "fma")
+
+
+def choose_arithmetic(variant: int, vendor: str, override: str | None) -> str | None:
+    """Variant 2's bf16 arithmetic (None for the others, which have one): what
+    OVERLAP_BF16_ARITHMETIC says, else fma on Intel CPUs (an avx512bf16 Intel is a Cooper Lake or
+    a later Xeon whose AMX a hypervisor hides; its dot products run at half the FMAs' rate),
+    dot elsewhere (AMD Zen 4/5 run them at the FMAs' rate, with twice the products each)."""
+    if override and override not in ARITHMETICS:
+        raise ValueError(f"OVERLAP_BF16_ARITHMETIC={override!r}: expected one of {', '.join(ARITHMETICS)}")
+    if variant != 2:
+        return None
+    return override or ("fma" if vendor == "GenuineIntel" else "dot")
+
+
+def machine_arithmetic() -> str | None:
+    """The bf16 arithmetic this machine's build runs (None: the variant's only one)."""
+    return choose_arithmetic(machine_variant(), cpu_vendor(), os.environ.get("OVERLAP_BF16_ARITHMETIC"))
+
+
 def _sources_digest() -> str:
     """The kernels' sources and this file (their flags and the build lock's protocol): a
     checkout that builds differently never shares a build folder with this one."""
@@ -81,10 +112,20 @@ def _sources_digest() -> str:
     return digest.hexdigest()[:10]
 
 
+def _module_name() -> str:
+    return f"overlap_kernels_{VARIANTS[machine_variant()][0]}_{_sources_digest()}"
+
+
+def kernels_name() -> str:
+    """The variant and, where it has two, its arithmetic: "avx512bf16-fma", "amx"."""
+    arithmetic = machine_arithmetic()
+    return VARIANTS[machine_variant()][0] + (f"-{arithmetic}" if arithmetic else "")
+
+
 def build_name() -> str:
-    """This machine's kernel build: the variant and the sources' hash (what a cached
+    """This machine's kernels: the variant, its arithmetic and the sources' hash (what a cached
     measurement of step costs depends on, beside the machine)."""
-    return f"{VARIANTS[machine_variant()][0]}_{_sources_digest()}"
+    return f"{kernels_name()}_{_sources_digest()}"
 
 
 @functools.cache
@@ -95,7 +136,7 @@ def _library():
     name, flags, _ = VARIANTS[variant]
     # The sources' hash in the module name: two checkouts with different kernels (a branch, a
     # worktree, an upgrade) each keep their own build instead of rebuilding over each other.
-    module = f"overlap_kernels_{build_name()}"
+    module = _module_name()
     build_dir = Path(cpp_extension._get_build_directory(module, False))
     with _exclusive_build(build_dir):
         if not (build_dir / f"{module}.so").exists():
@@ -106,6 +147,7 @@ def _library():
             extra_cflags=["-O3", "-ffp-contract=off", f"-DOVERLAP_VARIANT={variant}", *flags],
             extra_ldflags=["-lpthread"], verbose=False)
     assert lib.variant() == variant
+    lib.set_fma_pairs(machine_arithmetic() == "fma")  # before any linear runs
     return lib
 
 
@@ -138,6 +180,22 @@ def variant() -> int:
 
 def variant_name() -> str:
     return VARIANTS[variant()][0]
+
+
+@contextlib.contextmanager
+def bf16_arithmetic(name: str):
+    """Tests only: the avx512bf16 build's bf16 linear runs `name` ("dot" or "fma") inside the
+    block. A process otherwise keeps the one its loader chose: cached results (packed graphs,
+    step costs) assume it."""
+    if name not in ARITHMETICS:
+        raise ValueError(f"bf16 arithmetic {name!r}: expected one of {', '.join(ARITHMETICS)}")
+    lib = _library()
+    before = lib.fma_pairs()
+    lib.set_fma_pairs(name == "fma")
+    try:
+        yield
+    finally:
+        lib.set_fma_pairs(before)
 
 
 def _kept_on(weight: torch.Tensor, attr: str, make):

@@ -8,6 +8,8 @@ torch::Tensor pack_weight(torch::Tensor weight);
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
                      bool out_float);
 int variant();
+void set_fma_pairs(bool on);
+bool fma_pairs();
 torch::Tensor pack_int8(torch::Tensor q);
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t n,
                           c10::optional<torch::Tensor> bias, bool out_float);

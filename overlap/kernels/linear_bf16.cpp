@@ -25,6 +25,17 @@
 // over k in order, rows independent), 2 = AVX512_BF16, 1 = AVX512F, 0 = AVX2+FMA,
 // -1 = portable scalar. Bit-identical across M within a variant, not across
 // variants (a machine runs one).
+//
+// Variant 2 has two arithmetics over one packed layout, chosen once per process before the
+// first call (set_fma_pairs; kernels/__init__.py says which machines take which): `dot`,
+// vdpbf16ps on bf16 pairs of x, or `fma`, each weight pair's halves widened by one shift and
+// one mask and two f32 FMAs on x as f32 rows, in k order: variant 1's arithmetic and bits.
+// Why two: a 512-bit vdpbf16ps is 32 products, but Intel cores retire one every other cycle
+// and two 512-bit FMAs (16 products each) every cycle (Emerald Rapids with AMX hidden, one
+// core: 1.31 G dot products/s, 5.42 G FMAs/s), so there the FMAs do twice the work a cycle,
+// and a verify pass of 4-16 rows is compute-bound on the dot products (the model's linears,
+// cache-hot, runs/prof/lin_modes.py: 6 rows 14.8 -> 9.9 ms, 14 rows 30.3 -> 21.4, 64 rows
+// 137 -> 97, 1-2 rows alike). AMD's Zen 4/5 retire the dot products at the FMAs' rate.
 #include <torch/extension.h>
 #include "cpu_empty.h"
 #include <ATen/Parallel.h>
@@ -42,6 +53,7 @@
 namespace {
 
 using bf16 = c10::BFloat16;
+bool fma_pairs_on = false;  // variant 2's arithmetic: fma (true) or dot (set_fma_pairs)
 #if OVERLAP_VARIANT == 3
 // AMX: the packed layout of variant 2 ([N/NB][K/2][NB][2], the VNNI pairs a B tile reads),
 // K padded to whole 32-element A tiles.
@@ -65,6 +77,15 @@ inline __m512i bcast_x(const bf16* x) {  // x[k], x[k+1] as one 32-bit value in 
   return _mm512_set1_epi32(pair);
 }
 inline Acc madd(Acc acc, __m512i x, __m512i w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
+// The fma arithmetic (x as f32 rows): x[k] times the pairs' low halves (a bf16 is the high
+// half of an f32, so a shift widens it exactly), then x[k+1] times the high halves (a mask).
+inline const float* bcast_x(const float* x) { return x; }
+inline Acc madd(Acc acc, const float* x, __m512i w) {
+  const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int(0xFFFF0000u))));
+  acc = _mm512_fmadd_ps(_mm512_set1_ps(x[0]), even, acc);
+  return _mm512_fmadd_ps(_mm512_set1_ps(x[1]), odd, acc);
+}
 inline void store(float* out, Acc a) { _mm512_storeu_ps(out, a); }
 #elif OVERLAP_VARIANT == 1
 // Packed [N/NB][K][NB]: 16 bf16 outputs of one k, widened to f32 (an exact shift).
@@ -304,6 +325,17 @@ void run(const bf16* x, int64_t xk, const bf16* packed, int64_t kp, const float*
   });
 #else
   // Threads split column blocks only, never k: no split can change a reduction order.
+  if (fma_pairs_on) {  // the fma arithmetic: x once into f32 rows (exact), kept per thread
+    float* xf = scratch(0, m * xk);
+    for (int64_t i = 0; i < m * xk; ++i) xf[i] = float(x[i]);
+    overlap::parallel_for(blocks, 2, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const bf16* block = packed + b * kp * NB;
+        rows_of_block<ROWS>(xf, xk, block, kp, bias, y, m, n, b * NB, next_of(block));
+      }
+    });
+    return;
+  }
   overlap::parallel_for(blocks, 2, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const bf16* block = packed + b * kp * NB;
@@ -361,3 +393,12 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::opti
 }
 
 int variant() { return OVERLAP_VARIANT; }
+
+// Variant 2's arithmetic for this process (the header says why two): called once, before the
+// first linear, by the kernels' loader; switching later would change results mid-run.
+void set_fma_pairs(bool on) {
+  TORCH_CHECK(!on || OVERLAP_VARIANT == 2, "overlap linear_bf16: the fma arithmetic is variant 2's (avx512bf16) choice");
+  fma_pairs_on = on;
+}
+
+bool fma_pairs() { return fma_pairs_on; }

@@ -7,7 +7,7 @@ import torch
 from helpers import hf_model, our_model, tiny_hf_config
 from overlap.attention import ReferenceBackend, SeqAttention
 from overlap.attention.cpu import CpuBackend
-from overlap.kernels import linear_bf16, linear_int8
+from overlap.kernels import bf16_arithmetic, linear_bf16, linear_int8, machine_variant
 from overlap.models.llama import linear
 
 PAGE = 4
@@ -17,8 +17,22 @@ PAGE = 4
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (37, 77), (5, 40)]
 
 
+# The avx512bf16 build runs either of two arithmetics (linear_bf16.cpp): each is tested here,
+# whichever this machine's loader chose.
+ARITHMETICS = ["dot", "fma"] if machine_variant() == 2 else [None]
+
+
+@pytest.fixture(params=ARITHMETICS, ids=lambda a: a or "only")
+def arithmetic(request):
+    if request.param is None:
+        yield None
+        return
+    with bf16_arithmetic(request.param):
+        yield request.param
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_linear_rows_do_not_depend_on_batch(shape):
+def test_linear_rows_do_not_depend_on_batch(shape, arithmetic):
     n, k = shape
     gen = torch.Generator().manual_seed(n * 7 + k)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
@@ -40,6 +54,25 @@ def test_linear_of_no_rows_is_empty(kernel):
     for out_float in (False, True):
         y = kernel(torch.empty(0, 64, dtype=torch.bfloat16), w, out_float=out_float)
         assert y.shape == (0, 48) and y.dtype == (torch.float32 if out_float else torch.bfloat16)
+
+
+def test_fma_arithmetic_is_one_fma_per_k_in_order(arithmetic):
+    """Every build but AMX and the avx512bf16 build's dot products computes each output as one
+    f32 FMA per k, k in order (linear_bf16.cpp): the bits of a plain f32 loop over k, where a
+    bf16 x bf16 product is exact in f32 (8-bit significands) and each add rounds once, as the
+    FMA does. A different order or a rounded product changes low bits."""
+    if machine_variant() == 3 or arithmetic == "dot":
+        pytest.skip("AMX tiles and vdpbf16ps sum in the hardware's own order")
+    gen = torch.Generator().manual_seed(3)
+    for n, k in [(960, 576), (37, 77), (5, 40)]:
+        w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+        x = torch.randn(9, k, generator=gen).to(torch.bfloat16)
+        got = linear_bf16(x, w, out_float=True)
+        want = torch.zeros(9, n)
+        xf, wf = x.float(), w.float()
+        for j in range(k):
+            want = want + xf[:, j: j + 1] * wf[:, j]
+        assert torch.equal(got, want), (n, k, (got - want).abs().max())
 
 
 def test_linear_sums_match_float32():

@@ -19,17 +19,23 @@ from overlap.kernels import cpu_flags
 
 WORKER = Path(__file__).resolve().parents[1] / "exactness_worker.py"
 
-# cap, the CPU flags it needs, (prompts, tokens, prompts also run alone)
+# cap (with the avx512bf16 build's arithmetic after a dash: both run wherever that build
+# does, whichever one the machine would choose), the CPU flags it needs, (prompts, tokens,
+# prompts also run alone)
 CAPS = [
     ("AVX512_CORE_AMX", {"amx_tile", "amx_bf16", "avx512_bf16"}, (12, 64, 4)),
-    ("AVX512_CORE_BF16", {"avx512_bf16", "avx512f"}, (6, 48, 2)),
+    ("AVX512_CORE_BF16-dot", {"avx512_bf16", "avx512f"}, (6, 48, 2)),
+    ("AVX512_CORE_BF16-fma", {"avx512_bf16", "avx512f"}, (4, 40, 1)),
     ("AVX512_CORE", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, (4, 40, 1)),
     ("AVX2", {"avx2", "fma"}, (4, 40, 1)),
 ]
 
 
 def run_worker(cap: str, prompts: int, tokens: int, alone: int) -> dict:
+    cap, _, arithmetic = cap.partition("-")
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": cap}
+    if arithmetic:
+        env["OVERLAP_BF16_ARITHMETIC"] = arithmetic
     proc = subprocess.run([sys.executable, str(WORKER), "--prompts", str(prompts), "--tokens", str(tokens),
                            "--alone", str(alone), "--batch", "8"],
                           env=env, capture_output=True, text=True, timeout=1500)
