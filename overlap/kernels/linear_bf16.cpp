@@ -14,11 +14,12 @@
 // 1-row decode: extra rows cost compute, not bandwidth.
 //
 // The widening variants (AVX512F, AVX2, scalar: no bf16 dot product) turn each bf16 weight
-// into f32 before its FMA, and read x as f32 rows converted once per call. With more rows
-// than a few tiles, a column block is also widened once into a per-thread f32 copy, and every
-// row tile reads it: the conversions are paid once per block instead of once per tile, and
-// wider tiles fit (the weight vectors no longer need conversion registers). Widening bf16 to f32 is exact, so the
-// FMA sequence of each output, and its bits, are those of the direct path.
+// into f32 before its FMA, and read x as f32 rows converted once per call. AVX-512 reads the
+// weights in the bf16 pairs of variant 2's layout and widens 16 of them with one instruction
+// (a shift for the even k, a mask for the odd). The scalar build, with more rows than a few
+// tiles, widens a column block once into a per-thread f32 copy that every row tile reads.
+// Widening bf16 to f32 is exact, so the FMA sequence of each output, and its bits, are the
+// same on every path.
 //
 // One source, compiled per ISA variant (OVERLAP_VARIANT): 3 = AMX-BF16 tiles (Sapphire
 // Rapids and later: up to 16 rows x 16 outputs per tile instruction, each output accumulated
@@ -34,8 +35,9 @@
 // and two 512-bit FMAs (16 products each) every cycle (Emerald Rapids with AMX hidden, one
 // core: 1.31 G dot products/s, 5.42 G FMAs/s), so there the FMAs do twice the work a cycle,
 // and a verify pass of 4-16 rows is compute-bound on the dot products (the model's linears,
-// cache-hot, runs/prof/lin_modes.py: 6 rows 14.8 -> 9.9 ms, 14 rows 30.3 -> 21.4, 64 rows
-// 137 -> 97, 1-2 rows alike). AMD's Zen 4/5 retire the dot products at the FMAs' rate.
+// cache-hot, runs/prof/lin_wide.py: 6 rows 10.4-11.8 -> 7.2-9.0 ms, 14 rows 27.5-37.8 ->
+// 18.8-21.1, 64 rows 182-195 -> 115-118, 1 row alike). AMD's Zen 4/5 retire the dot products
+// at the FMAs' rate.
 #include <torch/extension.h>
 #include "cpu_empty.h"
 #include <ATen/Parallel.h>
@@ -58,7 +60,7 @@ bool fma_pairs_on = false;  // variant 2's arithmetic: fma (true) or dot (set_fm
 // AMX: the packed layout of variant 2 ([N/NB][K/2][NB][2], the VNNI pairs a B tile reads),
 // K padded to whole 32-element A tiles.
 constexpr int VEC = 16, VECS = 4, KSTEP = 32;
-#elif OVERLAP_VARIANT == 2
+#elif OVERLAP_VARIANT == 2 || OVERLAP_VARIANT == 1
 // Packed [N/NB][K/2][NB][2]: a k pair of NB outputs is one 64-byte vector per 16 outputs.
 // ROWS: rows of x per register tile. Six (24 accumulators + 4 weights + x of the 32 zmm
 // registers), not four: a 5-6 row verify (mtp:4-5, a chain and a short lookup branch) then
@@ -71,31 +73,27 @@ constexpr int VEC = 16, VECS = 4, KSTEP = 2, ROWS = 6;
 using Acc = __m512;
 inline Acc zero() { return _mm512_setzero_ps(); }
 inline __m512i load_w(const bf16* p) { return _mm512_loadu_si512(p); }
+inline void store(float* out, Acc a) { _mm512_storeu_ps(out, a); }
+#if OVERLAP_VARIANT == 2
+// The dot arithmetic: x as bf16 pairs, one vdpbf16ps per k pair.
 inline __m512i bcast_x(const bf16* x) {  // x[k], x[k+1] as one 32-bit value in every lane
   int32_t pair;
   std::memcpy(&pair, x, 4);
   return _mm512_set1_epi32(pair);
 }
 inline Acc madd(Acc acc, __m512i x, __m512i w) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)w); }
-// The fma arithmetic (x as f32 rows): x[k] times the pairs' low halves (a bf16 is the high
-// half of an f32, so a shift widens it exactly), then x[k+1] times the high halves (a mask).
+#endif
+// The fma arithmetic (variant 1's; variant 2's where set_fma_pairs chose it), x as f32 rows:
+// x[k] times the pairs' low halves (a bf16 is the high half of an f32, so one shift widens
+// it exactly), then x[k+1] times the high halves (one mask). One instruction per 16 weights
+// where a widening of 16 single k's took two (zero-extend, shift) and a lane-crossing load.
+inline __m512 even_of(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
+inline __m512 odd_of(__m512i w) { return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int(0xFFFF0000u)))); }
 inline const float* bcast_x(const float* x) { return x; }
 inline Acc madd(Acc acc, const float* x, __m512i w) {
-  const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-  const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int(0xFFFF0000u))));
-  acc = _mm512_fmadd_ps(_mm512_set1_ps(x[0]), even, acc);
-  return _mm512_fmadd_ps(_mm512_set1_ps(x[1]), odd, acc);
+  acc = _mm512_fmadd_ps(_mm512_set1_ps(x[0]), even_of(w), acc);
+  return _mm512_fmadd_ps(_mm512_set1_ps(x[1]), odd_of(w), acc);
 }
-inline void store(float* out, Acc a) { _mm512_storeu_ps(out, a); }
-#elif OVERLAP_VARIANT == 1
-// Packed [N/NB][K][NB]: 16 bf16 outputs of one k, widened to f32 (an exact shift).
-constexpr int VEC = 16, VECS = 4, KSTEP = 1, ROWS = 4;
-using Acc = __m512;
-inline Acc zero() { return _mm512_setzero_ps(); }
-inline __m512 load_w(const bf16* p) { return overlap::widen_bf16x16(p); }
-inline __m512 bcast_x(const bf16* x) { return _mm512_set1_ps(float(*x)); }
-inline Acc madd(Acc acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
-inline void store(float* out, Acc a) { _mm512_storeu_ps(out, a); }
 #elif OVERLAP_VARIANT == 0
 // 16 ymm registers: 6 rows x 2 accumulators + 2 weights + x. Six rows rather than four: a
 // 4-row tile's 8 accumulators just cover the FMA latency (4 cycles x 2 units) and any stall
@@ -126,13 +124,7 @@ inline void store(float* out, Acc a) { std::memcpy(out, a.v, sizeof(a.v)); }
 
 constexpr int NB = VEC * VECS;  // outputs per column block
 
-#if OVERLAP_VARIANT == 1
-// f32 operands of the widened path: weights already widened, x rows already f32.
-inline __m512 load_w(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 bcast_x(const float* x) { return _mm512_set1_ps(*x); }
-inline void widen(const bf16* w, float* out) { _mm512_storeu_ps(out, load_w(w)); }
-constexpr int WIDE_ROWS = 6;  // 24 accumulators + 4 weights + x in the 32 zmm registers
-#elif OVERLAP_VARIANT == -1
+#if OVERLAP_VARIANT == -1
 inline const float* load_w(const float* p) { return p; }
 inline float bcast_x(const float* x) { return *x; }
 inline Acc madd(Acc acc, float x, const float* w) {
@@ -288,7 +280,18 @@ void run(const bf16* x, int64_t xk, const bf16* packed, int64_t kp, const float*
   const int64_t blocks = (n + NB - 1) / NB;
   const bf16* end = packed + blocks * kp * NB;  // the block after the last: none to prefetch
   auto next_of = [&](const bf16* block) { return block + kp * NB < end ? block + kp * NB : nullptr; };
-#if OVERLAP_VARIANT <= 1
+#if OVERLAP_VARIANT == 2
+  if (!fma_pairs_on) {  // the dot arithmetic, on x's bf16 pairs as they are
+    // Threads split column blocks only, never k: no split can change a reduction order.
+    overlap::parallel_for(blocks, 2, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const bf16* block = packed + b * kp * NB;
+        rows_of_block<ROWS>(x, xk, block, kp, bias, y, m, n, b * NB, next_of(block));
+      }
+    });
+    return;
+  }
+#endif
   // x once into f32 rows (exact), for both paths below: a tile then broadcasts each x[k] with
   // one load instead of a scalar bf16 -> f32 conversion per row and k, which cost more than
   // the FMAs it fed (AVX2 on a Zen 3, 30 layers + lm_head: 1 row 25-26 -> 19-20 ms, 5 rows
@@ -296,12 +299,14 @@ void run(const bf16* x, int64_t xk, const bf16* packed, int64_t kp, const float*
   // calls (a fresh multi-MB buffer per call costs its page faults every time).
   float* xf = scratch(0, m * xk);
   for (int64_t i = 0; i < m * xk; ++i) xf[i] = float(x[i]);
-#if OVERLAP_VARIANT != 0
-  // Widening a block costs about one direct tile's conversions, so the widened path pays from
-  // a few tiles on (measured on an AVX-512 Xeon: 0.6-0.7x the speed at 5-8 rows, 1.0-1.2x at
-  // 16, 1.3-2.5x at 64-2048). Not on AVX2, where the 6-row direct tiles measured as fast or
-  // faster at every row count (Zen 3, 30 layers + lm_head, widened vs direct: 12 rows 26.6 vs
-  // 20.6 ms, 32: 74 vs 64, 128: 224 vs 224, 256: 443 vs 452; whole steps at batch 8 alike).
+#if OVERLAP_VARIANT == -1
+  // The scalar build widens a block once into f32 when several tiles will walk it: its
+  // per-weight conversions cost more than the FMAs they feed. Not on AVX2, where the 6-row
+  // direct tiles measured as fast or faster at every row count (Zen 3, 30 layers + lm_head,
+  // widened vs direct: 12 rows 26.6 vs 20.6 ms, 32: 74 vs 64, 128: 224 vs 224, 256: 443 vs
+  // 452), nor on AVX-512, where a tile widens 16 weights of a pair with one instruction
+  // (Emerald Rapids, the same: 14 rows 29-30 vs 19-21 ms, 64: 148-168 vs 115-118, 256: 371-381
+  // vs 372-420; runs/prof/lin_wide.py).
   if (m >= 3 * ROWS) {
     // The widened path: each block once into f32 by its thread (its own kept buffer too).
     overlap::parallel_for(blocks, 2, [&](int64_t b0, int64_t b1) {
@@ -323,26 +328,6 @@ void run(const bf16* x, int64_t xk, const bf16* packed, int64_t kp, const float*
       rows_of_block<ROWS>(xf, xk, block, kp, bias, y, m, n, b * NB, next_of(block));
     }
   });
-#else
-  // Threads split column blocks only, never k: no split can change a reduction order.
-  if (fma_pairs_on) {  // the fma arithmetic: x once into f32 rows (exact), kept per thread
-    float* xf = scratch(0, m * xk);
-    for (int64_t i = 0; i < m * xk; ++i) xf[i] = float(x[i]);
-    overlap::parallel_for(blocks, 2, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        const bf16* block = packed + b * kp * NB;
-        rows_of_block<ROWS>(xf, xk, block, kp, bias, y, m, n, b * NB, next_of(block));
-      }
-    });
-    return;
-  }
-  overlap::parallel_for(blocks, 2, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const bf16* block = packed + b * kp * NB;
-      rows_of_block<ROWS>(x, xk, block, kp, bias, y, m, n, b * NB, next_of(block));
-    }
-  });
-#endif
 }
 #endif
 
