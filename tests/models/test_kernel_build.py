@@ -1,5 +1,7 @@
-"""The CPU kernels' on-disk build cache survives a process killed while building."""
+"""The CPU kernels' on-disk build cache survives a process killed while building; the avx512bf16
+build runs the arithmetic chosen for the machine (or asked for)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,3 +32,26 @@ def test_a_build_lock_left_by_a_killed_process_does_not_block_the_next_load():
     assert load.returncode == 0, load.stderr
     assert load.stdout.strip() == kernels.variant_name()
     assert "removing a build lock left by a process that died" in load.stderr
+
+
+def test_the_avx512bf16_build_takes_fmas_on_intel_and_dot_products_elsewhere():
+    choose = kernels.choose_arithmetic
+    assert choose(2, "GenuineIntel", None) == "fma"  # vdpbf16ps at half the FMAs' rate there
+    assert choose(2, "AuthenticAMD", None) == "dot"
+    assert choose(2, "GenuineIntel", "dot") == "dot" and choose(2, "AuthenticAMD", "fma") == "fma"
+    for variant in (3, 1, 0, -1):  # one arithmetic each: nothing to choose
+        assert choose(variant, "GenuineIntel", None) is None
+    with pytest.raises(ValueError, match="OVERLAP_BF16_ARITHMETIC='fast'"):
+        choose(2, "GenuineIntel", "fast")
+
+
+@pytest.mark.skipif(kernels.machine_variant() != 2, reason="only the avx512bf16 build has two arithmetics")
+@pytest.mark.parametrize("arithmetic", kernels.ARITHMETICS)
+def test_the_arithmetic_asked_for_is_the_one_a_new_process_runs(arithmetic):
+    load = subprocess.run(
+        [sys.executable, "-c", "from overlap import kernels; "
+                               "print(kernels.kernels_name(), kernels._library().fma_pairs())"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OVERLAP_BF16_ARITHMETIC": arithmetic})
+    assert load.returncode == 0, load.stderr
+    assert load.stdout.split() == [f"avx512bf16-{arithmetic}", str(arithmetic == "fma")]
