@@ -17,6 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8", &linear_int8, "weight-only int8 linear for drafters (linear_int8.cpp)");
   m.def("set_fma_pairs", &set_fma_pairs, "variant 2's bf16 arithmetic: f32 FMAs on widened pairs (true) or vdpbf16ps");
   m.def("fma_pairs", &fma_pairs, "whether this process's bf16 linear runs the fma arithmetic");
+  m.def("set_prefetch_l2", &set_prefetch_l2, "the linear kernels' tiles prefetch the next block into L2 (true) or L1");
+  m.def("prefetch_l2", &prefetch_l2, "whether this process's tiles prefetch into L2");
   m.def("variant", &variant, "the ISA variant this build was compiled for");
   m.def("paged_attention", &paged_attention, "batch-invariant paged attention (attention.cpp)",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("q_start"),

@@ -10,6 +10,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::opti
 int variant();
 void set_fma_pairs(bool on);
 bool fma_pairs();
+void set_prefetch_l2(bool on);
+bool prefetch_l2();
 torch::Tensor pack_int8(torch::Tensor q);
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, int64_t n,
                           c10::optional<torch::Tensor> bias, bool out_float);

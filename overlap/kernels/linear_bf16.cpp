@@ -42,6 +42,7 @@
 #include "cpu_empty.h"
 #include <ATen/Parallel.h>
 #include "pool.h"
+#include "prefetch.h"
 #include "bf16_vec.h"
 #include <c10/util/BFloat16.h>
 #include <cmath>
@@ -387,3 +388,13 @@ void set_fma_pairs(bool on) {
 }
 
 bool fma_pairs() { return fma_pairs_on; }
+
+namespace overlap {
+bool prefetch_into_l2 = false;  // prefetch.h; set_prefetch_l2
+}
+
+// Where the tiles prefetch for this process (prefetch.h says why two): called once, by the
+// kernels' loader, before the first linear.
+void set_prefetch_l2(bool on) { overlap::prefetch_into_l2 = on; }
+
+bool prefetch_l2() { return overlap::prefetch_into_l2; }

@@ -25,6 +25,7 @@
 #include <torch/extension.h>
 #include "cpu_empty.h"
 #include "pool.h"
+#include "prefetch.h"
 #include <c10/util/BFloat16.h>
 #include <cmath>
 #include <cstring>

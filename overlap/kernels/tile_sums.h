@@ -10,8 +10,8 @@
 // linear_bf16.cpp's rows_of_block says why).
 //
 // Included inside a kernel's anonymous namespace, after its variant's Acc, zero, load_w,
-// bcast_x, madd, store and VEC, VECS, KSTEP, NB: the arithmetic is the kernel's, the loop
-// is this one.
+// bcast_x, madd, store and VEC, VECS, KSTEP, NB, and after prefetch.h (where the prefetches
+// go): the arithmetic is the kernel's, the loop is this one.
 template <int R, typename X, typename W, typename A = W>
 inline void tile_sums(const X* x, int64_t xk, const W* block, int64_t kp, int64_t r0, float (&sums)[R][NB],
                       const A* ahead = nullptr, int part = 0, int parts = 1) {
@@ -36,7 +36,7 @@ inline void tile_sums(const X* x, int64_t xk, const W* block, int64_t kp, int64_
     const W* wk = block + k * NB;  // NB outputs x KSTEP k values, contiguous
     if (ahead && phase == 0 && ahead_step < ahead_end) {
       const char* line = reinterpret_cast<const char*>(ahead + ahead_step * KSTEP * NB);
-      for (int64_t byte = 0; byte < int64_t(NB * KSTEP * sizeof(A)); byte += 64) __builtin_prefetch(line + byte);
+      for (int64_t byte = 0; byte < int64_t(NB * KSTEP * sizeof(A)); byte += 64) overlap::prefetch_line(line + byte);
       ahead_step += stride;
     }
     if (++phase == parts) phase = 0;

@@ -45,13 +45,22 @@ def test_the_avx512bf16_build_takes_fmas_on_intel_and_dot_products_elsewhere():
         choose(2, "GenuineIntel", "fast")
 
 
+def test_the_tiles_prefetch_into_l2_on_intel_and_into_l1_elsewhere():
+    assert kernels.choose_prefetch("GenuineIntel", None) == "l2"
+    assert kernels.choose_prefetch("AuthenticAMD", None) == "l1"
+    assert kernels.choose_prefetch("GenuineIntel", "l1") == "l1"
+    with pytest.raises(ValueError, match="OVERLAP_KERNEL_PREFETCH='l3'"):
+        kernels.choose_prefetch("AuthenticAMD", "l3")
+
+
 @pytest.mark.skipif(kernels.machine_variant() != 2, reason="only the avx512bf16 build has two arithmetics")
-@pytest.mark.parametrize("arithmetic", kernels.ARITHMETICS)
-def test_the_arithmetic_asked_for_is_the_one_a_new_process_runs(arithmetic):
+@pytest.mark.parametrize("arithmetic,prefetch", [("dot", "l2"), ("fma", "l1")])
+def test_the_arithmetic_and_prefetch_asked_for_are_what_a_new_process_runs(arithmetic, prefetch):
     load = subprocess.run(
-        [sys.executable, "-c", "from overlap import kernels; "
-                               "print(kernels.kernels_name(), kernels._library().fma_pairs())"],
+        [sys.executable, "-c", "from overlap import kernels; lib = kernels._library(); "
+                               "print(kernels.kernels_name(), lib.fma_pairs(), lib.prefetch_l2())"],
         capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OVERLAP_BF16_ARITHMETIC": arithmetic})
+        env={**os.environ, "OVERLAP_BF16_ARITHMETIC": arithmetic, "OVERLAP_KERNEL_PREFETCH": prefetch})
     assert load.returncode == 0, load.stderr
-    assert load.stdout.split() == [f"avx512bf16-{arithmetic}", str(arithmetic == "fma")]
+    name = f"avx512bf16-{arithmetic}" + ("-l2" if prefetch == "l2" else "")
+    assert load.stdout.split() == [name, str(arithmetic == "fma"), str(prefetch == "l2")]
