@@ -159,17 +159,9 @@ def _draft_step(model: LlamaModel, config: EngineConfig, draft_dir, backend, pag
 
 def machine() -> dict:
     """What the numbers ran on: CPU model, torch threads, the kernel variant."""
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    from overlap.kernels import kernels_name
+    from overlap.kernels import cpu_model, kernels_name
 
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "kernels": kernels_name(),
+    return {"cpu": cpu_model() or platform.processor(), "threads": torch.get_num_threads(), "kernels": kernels_name(),
             "torch": torch.__version__}
 
 

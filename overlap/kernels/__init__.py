@@ -45,8 +45,10 @@ _CAPS = [("AVX10", 3), ("AVX512_CORE_AMX", 3), ("AVX512_CORE_FP16", 2), ("AVX512
          ("AVX512_CORE_VNNI", 1), ("AVX512_CORE", 1), ("AVX2", 0), ("", -1)]
 
 
+@functools.cache
 def _cpuinfo(field: str) -> str:
-    """The first value of `field` in /proc/cpuinfo ("" where there is none)."""
+    """The first value of `field` in /proc/cpuinfo ("" where there is none): read once a
+    field, though the loader asks for the flags and the vendor several times."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.split(":", 1)[0].strip() == field:
@@ -62,6 +64,10 @@ def cpu_flags() -> set[str]:
 
 def cpu_vendor() -> str:
     return _cpuinfo("vendor_id")
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name")
 
 
 def choose_variant(flags: set[str], isa_cap: str | None) -> int:
