@@ -281,15 +281,20 @@ void run(const bf16* x, int64_t xk, const bf16* packed, int64_t kp, const float*
   const int64_t blocks = (n + NB - 1) / NB;
   const bf16* end = packed + blocks * kp * NB;  // the block after the last: none to prefetch
   auto next_of = [&](const bf16* block) { return block + kp * NB < end ? block + kp * NB : nullptr; };
-#if OVERLAP_VARIANT == 2
-  if (!fma_pairs_on) {  // the dot arithmetic, on x's bf16 pairs as they are
-    // Threads split column blocks only, never k: no split can change a reduction order.
+  // Every row of `rows` (x as bf16 or as f32 rows: the arithmetic follows) against every packed
+  // block, each widened inside the tile. Threads split column blocks only, never k: no split
+  // can change a reduction order.
+  auto direct = [&](const auto* rows) {
     overlap::parallel_for(blocks, 2, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const bf16* block = packed + b * kp * NB;
-        rows_of_block<ROWS>(x, xk, block, kp, bias, y, m, n, b * NB, next_of(block));
+        rows_of_block<ROWS>(rows, xk, block, kp, bias, y, m, n, b * NB, next_of(block));
       }
     });
+  };
+#if OVERLAP_VARIANT == 2
+  if (!fma_pairs_on) {  // the dot arithmetic, on x's bf16 pairs as they are
+    direct(x);
     return;
   }
 #endif
@@ -321,14 +326,7 @@ void run(const bf16* x, int64_t xk, const bf16* packed, int64_t kp, const float*
     return;
   }
 #endif
-  // The direct path: each bf16 weight widened inside the tile. Threads split column blocks
-  // only, never k: no split can change a reduction order.
-  overlap::parallel_for(blocks, 2, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const bf16* block = packed + b * kp * NB;
-      rows_of_block<ROWS>(xf, xk, block, kp, bias, y, m, n, b * NB, next_of(block));
-    }
-  });
+  direct(xf);  // the FMA arithmetic on x's f32 rows
 }
 #endif
 
